@@ -1,0 +1,1 @@
+"""The rollout hub: a Redis-backed replay buffer fed over ZeroMQ."""

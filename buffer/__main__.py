@@ -1,0 +1,59 @@
+"""Entry point of the hub: ``flywheel-buffer`` / ``python -m buffer``.
+
+Parses the config before importing anything heavy, so ``--help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+from flywheel.config import ConfigError, help_text, load_config
+from flywheel.logs import setup_logging
+
+log = logging.getLogger("buffer")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(help_text("flywheel-buffer", "Run the rollout hub (needs redis.url, data.path and data.tokenizer)."))
+        return 0
+    try:
+        cfg = load_config(argv)
+    except ConfigError as err:
+        print(f"flywheel-buffer: {err}", file=sys.stderr)
+        return 2
+    setup_logging("hub", cfg.run.log_level)
+    if cfg.redis.url is None:
+        print("flywheel-buffer: redis.url is required (the `flywheel` launcher starts a private Redis for you)", file=sys.stderr)
+        return 2
+    if cfg.data.path is None:
+        print("flywheel-buffer: data.path is required: a JSONL, parquet or HF datasets directory of prompts", file=sys.stderr)
+        return 2
+
+    import redis
+
+    from buffer import recovery
+    from buffer.hub import Hub
+    from buffer.prompts import PromptSource
+
+    client = redis.Redis.from_url(cfg.redis.url, socket_timeout=cfg.redis.socket_timeout_s)
+    client.ping()
+    source = PromptSource.from_config(cfg.data)
+    hub = Hub(cfg, source, client)
+    recovery.load(hub)
+    hub.start_metrics()
+    hub.write_state_file()
+    log.info("hub listening: %s, run %r, %d prompts, max_staleness %d, groups_per_step %d",
+             hub.ports, cfg.run.name, len(source), cfg.async_.max_staleness, cfg.async_.groups_per_step)
+    signal.signal(signal.SIGTERM, lambda *_: hub.stop())
+    signal.signal(signal.SIGINT, lambda *_: hub.stop())
+    hub.run()
+    log.info("hub stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,587 @@
+"""The rollout hub: leases prompts to generators, persists their chunks, gets samples scored,
+and publishes ready groups for learners.
+
+One thread, one loop. Each turn drains the sockets, applies every accepted message to the
+in-memory mirror, writes the whole turn to Redis in one MULTI/EXEC pipeline, and only then
+acknowledges chunks and sends leases. Redis is the truth: a restarted hub rebuilds its mirror
+from it (``buffer.recovery``), and generators resend whatever was not acknowledged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict, deque
+from pathlib import Path
+
+import numpy as np
+import redis
+import zmq
+
+from buffer.prompts import PromptSource
+from buffer.state import ActiveLease, GeneratorInfo, OpenGroup, RewardWorker, SampleAssembly
+from buffer.stats import HubStats, RateMeter, RejectLog, start_metrics_server
+from flywheel.config import FlywheelConfig
+from flywheel.staleness import GroupState, StalenessPolicy
+from flywheel.store import (
+    META,
+    GeneratorRecord,
+    GroupMeta,
+    LeaseRecord,
+    RunKeys,
+    StoredScore,
+    chunk_field,
+    pack,
+    sample_field,
+    score_field,
+    unpack,
+)
+from flywheel.wire import (
+    Chunk,
+    ChunkAck,
+    ChunkBatch,
+    ChunkRejection,
+    Decoder,
+    Heartbeat,
+    Lease,
+    Message,
+    Register,
+    Revoke,
+    RewardRegister,
+    SamplingParams,
+    Score,
+    ScoreRequest,
+    ToHub,
+    WireError,
+    encode,
+    pack_i32,
+    pack_i64,
+)
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.005  # housekeeping period: version refresh, expiry, dispatch
+
+
+class Hub:
+    def __init__(self, cfg: FlywheelConfig, source: PromptSource, client: redis.Redis) -> None:
+        self.cfg = cfg
+        self.hcfg = cfg.hub
+        self.source = source
+        self.redis = client
+        self.keys = RunKeys(cfg.run.name)
+        self.policy = StalenessPolicy(cfg.async_.max_staleness, cfg.async_.groups_per_step)
+        self.sampling = SamplingParams(
+            max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+        )
+        self.stats = HubStats()
+        self.rejects = RejectLog(self.stats, self.hcfg.reject_log_interval_s)
+        self.decoder = Decoder(ToHub, max_bytes=self.hcfg.max_message_bytes)
+
+        # mirror of durable state (filled by recovery.load)
+        self.learner_version = 0
+        self.groups_issued = 0
+        self.groups_dropped = 0
+        self.next_lease_id = 0
+        self.epoch = 0
+        self.cursor = 0
+        self.requeued_prompts: deque[int] = deque()
+        self.groups: dict[int, OpenGroup] = {}
+        self.leases: dict[int, ActiveLease] = {}
+        self.unassigned: deque[int] = deque()  # lease ids re-issued, waiting for a generator
+        self.generators: dict[str, GeneratorInfo] = {}
+        self.score_queue: deque[tuple[int, int]] = deque()
+        self.score_sent: dict[tuple[int, int], tuple[bytes, float]] = {}
+        self.reward_workers: dict[bytes, RewardWorker] = {}
+
+        # per-turn output, flushed after the Redis write
+        self._pipe = client.pipeline(transaction=True)
+        # chunk writes of this turn, one HSET per group at flush; a sample that completes
+        # within the turn never writes its chunks, only the assembled sample
+        self._chunk_buf: dict[str, dict[bytes, bytes]] = defaultdict(dict)
+        self._acks: dict[bytes, list[tuple[int, int, int]]] = defaultdict(list)
+        self._rejections: dict[bytes, list[ChunkRejection]] = defaultdict(list)
+        self._outbox: list[tuple[zmq.Socket, bytes, bytes]] = []
+        self._turn_started = 0.0
+
+        self.ctx = zmq.Context.instance()
+        self.gen_sock = self._router(self.hcfg.generator_port)
+        self.reward_sock = self._router(self.hcfg.reward_port)
+        self.ports = {
+            "generator_port": _port_of(self.gen_sock),
+            "reward_port": _port_of(self.reward_sock),
+            "metrics_port": None,
+        }
+        self._stopping = False
+        self._rates = RateMeter()
+        self._last_stats = time.monotonic()
+
+    # ------------------------------------------------------------------ setup
+
+    def _router(self, port: int) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self.hcfg.sndhwm)
+        sock.setsockopt(zmq.RCVHWM, self.hcfg.rcvhwm)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error we count, not a silent drop
+        # Memory guard well above the checked limit: bigger frames are refused by ZMQ itself.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.hcfg.max_message_bytes * 4)
+        host = self.hcfg.host
+        if port == 0:
+            sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            sock.bind(f"tcp://{host}:{port}")
+        return sock
+
+    def start_metrics(self) -> None:
+        if self.hcfg.metrics_port is not None:
+            self.ports["metrics_port"] = start_metrics_server(self.hcfg.metrics_port, self.hcfg.host, self.snapshot)
+
+    def write_state_file(self) -> None:
+        if self.hcfg.state_file:
+            path = Path(self.hcfg.state_file)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.ports))
+            tmp.replace(path)
+
+    # ------------------------------------------------------------------ main loop
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def run(self, max_seconds: float | None = None) -> None:
+        """Serve until ``stop()`` (or for ``max_seconds``)."""
+        poller = zmq.Poller()
+        poller.register(self.gen_sock, zmq.POLLIN)
+        poller.register(self.reward_sock, zmq.POLLIN)
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        next_tick = 0.0
+        while not self._stopping and (deadline is None or time.monotonic() < deadline):
+            ready = dict(poller.poll(timeout=int(TICK_S * 1000)))
+            self._turn_started = time.monotonic()
+            if self.gen_sock in ready:
+                self._drain(self.gen_sock)
+            if self.reward_sock in ready:
+                self._drain(self.reward_sock)
+            if self._turn_started >= next_tick:
+                self._housekeeping()
+                next_tick = self._turn_started + TICK_S
+            self._flush()
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        for _ in range(self.hcfg.max_ingest_batch):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self.rejects.reject("malformed", f"expected 2 frames, got {len(frames)}", frames[0])
+                continue
+            identity, payload = frames
+            try:
+                msg = self.decoder.decode(payload)
+            except WireError as err:
+                self.rejects.reject(err.reason, str(err), identity)
+                continue
+            self._handle(sock, identity, msg)
+
+    def _handle(self, sock: zmq.Socket, identity: bytes, msg: Message) -> None:
+        from_generator = sock is self.gen_sock
+        if isinstance(msg, ChunkBatch) and from_generator:
+            for chunk in msg.chunks:
+                self._on_chunk(identity, chunk)
+        elif isinstance(msg, Chunk) and from_generator:
+            self._on_chunk(identity, msg)
+        elif isinstance(msg, Heartbeat) and from_generator:
+            self._on_heartbeat(identity, msg)
+        elif isinstance(msg, Register) and from_generator:
+            self._on_register(identity, msg)
+        elif isinstance(msg, Score) and not from_generator:
+            self._on_score(identity, msg)
+        elif isinstance(msg, RewardRegister) and not from_generator:
+            self._on_reward_register(identity, msg)
+        else:
+            self.rejects.reject("wrong_socket", f"{type(msg).__name__} is not accepted on this port", identity)
+
+    def _flush(self) -> None:
+        """Make this turn durable, then tell peers: acks only ever follow the Redis write."""
+        for gkey, fields in self._chunk_buf.items():
+            if fields:
+                self._pipe.hset(gkey, mapping=fields)  # type: ignore[arg-type]
+        self._chunk_buf.clear()
+        if len(self._pipe):
+            self._pipe.execute()
+            elapsed = time.monotonic() - self._turn_started
+            if self._acks:
+                self.stats.note_durable(elapsed)
+        for identity, acked in self._acks.items():
+            arr = np.asarray(acked, dtype=np.int64)
+            msg = ChunkAck(group_ids=pack_i64(arr[:, 0]), samples=pack_i32(arr[:, 1]), seqs=pack_i32(arr[:, 2]),
+                           rejected=self._rejections.pop(identity, []))
+            self._send(self.gen_sock, identity, msg)
+        for identity, rejected in self._rejections.items():
+            self._send(self.gen_sock, identity, ChunkAck(group_ids=b"", samples=b"", seqs=b"", rejected=rejected))
+        self._acks.clear()
+        self._rejections.clear()
+        for sock, identity, payload in self._outbox:
+            self._send_raw(sock, identity, payload)
+        self._outbox.clear()
+
+    def _send(self, sock: zmq.Socket, identity: bytes, msg: Message) -> None:
+        self._send_raw(sock, identity, encode(msg))
+
+    def _send_raw(self, sock: zmq.Socket, identity: bytes, payload: bytes) -> None:
+        try:
+            sock.send_multipart([identity, payload], zmq.NOBLOCK)
+        except zmq.ZMQError as err:  # peer gone or at its high-water mark: it will resend / expire
+            self.stats.rejected[f"send_failed_{err.errno}"] += 1
+
+    def _after_flush(self, sock: zmq.Socket, identity: bytes, msg: Message) -> None:
+        self._outbox.append((sock, identity, encode(msg)))
+
+    # ------------------------------------------------------------------ generators
+
+    def _on_register(self, identity: bytes, msg: Register) -> None:
+        if identity != msg.generator_id.encode():
+            self.rejects.reject("identity_mismatch", f"socket identity {identity!r} != generator_id {msg.generator_id!r}", identity)
+            return
+        now = time.monotonic()
+        old = self.generators.get(msg.generator_id)
+        if old is not None:
+            # A registration from a known id means the generator restarted: its leases are gone.
+            log.info("generator %s re-registered; re-issuing its %d leases", msg.generator_id, len(old.leases))
+            for lease_id in list(old.leases):
+                self._expire_lease(lease_id, notify=False)
+        record = GeneratorRecord(generator_id=msg.generator_id, model=msg.model, capacity=msg.capacity, weight_version=msg.weight_version)
+        self.generators[msg.generator_id] = GeneratorInfo(record, identity, now)
+        self._pipe.hset(self.keys.generators, msg.generator_id, pack(record))
+        log.info("generator %s registered (capacity %d, weights v%d)", msg.generator_id, msg.capacity, msg.weight_version)
+
+    def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
+        gen = self.generators.get(msg.generator_id)
+        if gen is None or gen.identity != identity:
+            self.rejects.reject("unregistered_generator", f"heartbeat from {msg.generator_id!r} before Register", identity)
+            return
+        now = time.monotonic()
+        gen.last_seen = now
+        if msg.weight_version != gen.record.weight_version:
+            gen.record.weight_version = msg.weight_version
+            self._pipe.hset(self.keys.generators, msg.generator_id, pack(gen.record))
+        for lease_id in msg.lease_ids:
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.record.generator_id == msg.generator_id:
+                lease.record.deadline = time.time() + self.hcfg.lease_timeout_s
+
+    def _on_chunk(self, identity: bytes, c: Chunk) -> None:
+        key = (c.group_id, c.sample, c.seq)
+        lease = self.leases.get(c.lease_id)
+        if lease is None or lease.record.group_id != c.group_id or c.sample not in lease.record.samples:
+            self._reject_chunk(identity, c, "unknown_lease")
+            return
+        sample = self.groups[c.group_id].samples[c.sample]
+        if sample.done is not None or c.seq in sample.chunks:
+            self.stats.duplicates += 1
+            self._acks[identity].append(key)  # already durable: ack again, the first ack was lost
+            return
+        if sample.lease_id != c.lease_id:
+            self._reject_chunk(identity, c, "stale_lease")
+            return
+        if c.finish_reason is not None and sample.final_seq is not None:
+            self._reject_chunk(identity, c, "second_final_chunk")
+            return
+        if (sample.final_seq is not None and c.seq > sample.final_seq) or (c.finish_reason is not None and any(s > c.seq for s in sample.chunks)):
+            self._reject_chunk(identity, c, "seq_after_final")
+            return
+        sample.chunks[c.seq] = c
+        if c.finish_reason is not None:
+            sample.final_seq = c.seq
+        group = self.groups[c.group_id]
+        gkey = self.keys.group(c.group_id)
+        self._chunk_buf[gkey][chunk_field(c.sample, c.seq)] = encode(c)
+        self._acks[identity].append(key)
+        self.stats.chunks_in += 1
+        self.stats.tokens_in += len(c.tokens) >> 2
+        lease.record.deadline = time.time() + self.hcfg.lease_timeout_s
+        if group.state is GroupState.ISSUED:
+            group.move(GroupState.GENERATING)
+        if sample.is_complete():
+            self._complete_sample(group, c.sample, lease)
+
+    def _reject_chunk(self, identity: bytes, c: Chunk, reason: str) -> None:
+        self.rejects.reject(reason, f"chunk (group {c.group_id}, sample {c.sample}, seq {c.seq}, lease {c.lease_id})", identity)
+        self._rejections[identity].append(ChunkRejection(group_id=c.group_id, sample=c.sample, seq=c.seq, reason=reason))
+
+    def _complete_sample(self, group: OpenGroup, index: int, lease: ActiveLease) -> None:
+        sample = group.samples[index]
+        seqs = sorted(sample.chunks)
+        stored = sample.assemble()
+        gkey = self.keys.group(group.meta.group_id)
+        self._pipe.hset(gkey, sample_field(index), pack(stored))
+        self._delete_chunks(gkey, index, seqs)
+        self.stats.samples_completed += 1
+        self.score_queue.append((group.meta.group_id, index))
+        if all(group.samples[s].done is not None for s in lease.record.samples):
+            self._finish_lease(lease)
+        if group.all_done():
+            group.move(GroupState.COMPLETE)
+
+    def _delete_chunks(self, gkey: str, sample: int, seqs: list[int]) -> None:
+        """Forget chunks: unwritten ones leave the buffer, written ones are deleted in Redis."""
+        buffered = self._chunk_buf.get(gkey, {})
+        written = [f for f in (chunk_field(sample, q) for q in seqs) if buffered.pop(f, None) is None]
+        if written:
+            self._pipe.hdel(gkey, *written)
+
+    def _finish_lease(self, lease: ActiveLease) -> None:
+        del self.leases[lease.lease_id]
+        self._pipe.hdel(self.keys.leases, lease.lease_id)
+        gen = self.generators.get(lease.record.generator_id or "")
+        if gen is not None:
+            gen.leases.discard(lease.lease_id)
+
+    # ------------------------------------------------------------------ rewards
+
+    def _on_reward_register(self, identity: bytes, msg: RewardRegister) -> None:
+        worker = self.reward_workers.get(identity)
+        if worker is None:
+            log.info("reward worker %s connected (capacity %d)", msg.worker_id, msg.capacity)
+            self.reward_workers[identity] = RewardWorker(identity, msg.capacity, time.monotonic())
+        else:
+            worker.capacity, worker.last_seen = msg.capacity, time.monotonic()
+
+    def _on_score(self, identity: bytes, msg: Score) -> None:
+        key = (msg.group_id, msg.sample)
+        sent = self.score_sent.pop(key, None)
+        worker = self.reward_workers.get(identity)
+        if worker is not None:
+            worker.inflight.discard(key)
+            worker.last_seen = time.monotonic()
+        group = self.groups.get(msg.group_id)
+        if sent is None or group is None or group.samples[msg.sample].score is not None:
+            self.rejects.reject("unexpected_score", f"score for (group {msg.group_id}, sample {msg.sample}) that was not requested or is already scored", identity)
+            return
+        score = StoredScore(reward=msg.reward, breakdown=msg.breakdown, error=msg.error)
+        group.samples[msg.sample].score = score
+        self.stats.scores_in += 1
+        gid = group.meta.group_id
+        self._pipe.hset(self.keys.group(gid), score_field(msg.sample), pack(score))
+        if group.all_scored():
+            self._mark_ready(group)
+
+    def _mark_ready(self, group: OpenGroup) -> None:
+        gid = group.meta.group_id
+        group.move(GroupState.SCORED)
+        group.move(GroupState.READY)
+        self._pipe.zadd(self.keys.ready, {str(gid): group.version})
+        self._pipe.srem(self.keys.open, gid)
+        del self.groups[gid]
+        self.stats.groups_ready += 1
+
+    def _dispatch_scores(self, now: float) -> None:
+        for identity, worker in list(self.reward_workers.items()):
+            if now - worker.last_seen > self.hcfg.generator_timeout_s:
+                log.warning("reward worker %r silent for %.1fs: dropped, %d samples re-queued", identity, now - worker.last_seen, len(worker.inflight))
+                for key in worker.inflight:
+                    self.score_sent.pop(key, None)
+                    self.score_queue.appendleft(key)
+                del self.reward_workers[identity]
+        for key, (identity, sent_at) in list(self.score_sent.items()):
+            if now - sent_at > self.hcfg.score_timeout_s:
+                del self.score_sent[key]
+                worker = self.reward_workers.get(identity)
+                if worker is not None:
+                    worker.inflight.discard(key)
+                self.score_queue.appendleft(key)
+                self.stats.score_resends += 1
+        for worker in self.reward_workers.values():
+            while self.score_queue and len(worker.inflight) < worker.capacity:
+                gid, index = self.score_queue.popleft()
+                group = self.groups.get(gid)
+                if group is None or group.samples[index].score is not None:
+                    continue
+                stored = group.samples[index].done
+                assert stored is not None
+                req = ScoreRequest(group_id=gid, sample=index, prompt_tokens=group.meta.prompt_tokens,
+                                   response_tokens=stored.tokens, finish_reason=stored.finish_reason, metadata=group.meta.metadata)
+                worker.inflight.add((gid, index))
+                self.score_sent[(gid, index)] = (worker.identity, now)
+                self._after_flush(self.reward_sock, worker.identity, req)
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        self._refresh_learner_state()
+        self._reap_dropped()
+        self._expire(now)
+        self._dispatch_leases()
+        self._dispatch_scores(now)
+        if now - self._last_stats >= self.hcfg.stats_interval_s:
+            self._last_stats = now
+            self._log_stats()
+
+    def _refresh_learner_state(self) -> None:
+        version, dropped = self.redis.pipeline(transaction=False).get(self.keys.version).hget(self.keys.counters, "groups_dropped").execute()
+        self.learner_version = int(version or 0)
+        self.groups_dropped = int(dropped or 0)
+
+    def _reap_dropped(self) -> None:
+        """Clean up groups a learner dropped as too stale; re-queue their prompts if configured."""
+        gids = self.redis.lpop(self.keys.dropped, 256)
+        if not gids:
+            return
+        metas = self.redis.pipeline(transaction=False)
+        for gid in gids:
+            metas.hget(self.keys.group(int(gid)), META)
+        for gid, raw in zip(gids, metas.execute(), strict=True):
+            if self.cfg.async_.requeue_stale and raw is not None:
+                index = unpack(GroupMeta, raw).prompt_index
+                self.requeued_prompts.append(index)
+                self._pipe.rpush(self.keys.requeue, index)
+            self._pipe.delete(self.keys.group(int(gid)))
+        log.info("%d groups dropped as too stale (requeue=%s)", len(gids), self.cfg.async_.requeue_stale)
+
+    def _expire(self, now: float) -> None:
+        for gen_id, gen in list(self.generators.items()):
+            if now - gen.last_seen > self.hcfg.generator_timeout_s:
+                log.warning("generator %s silent for %.1fs: evicted, %d leases re-issued", gen_id, now - gen.last_seen, len(gen.leases))
+                for lease_id in list(gen.leases):
+                    self._expire_lease(lease_id, notify=False)
+                del self.generators[gen_id]
+                self._pipe.hdel(self.keys.generators, gen_id)
+                self.stats.generators_evicted += 1
+        wall = time.time()
+        for lease in list(self.leases.values()):
+            if lease.record.generator_id is not None and lease.record.deadline < wall:
+                log.warning("lease %d (group %d) on %s passed its deadline: re-issued", lease.lease_id, lease.record.group_id, lease.record.generator_id)
+                self._expire_lease(lease.lease_id, notify=True)
+
+    def _expire_lease(self, lease_id: int, notify: bool) -> None:
+        """Take a lease back; its unfinished samples go out again under a new lease."""
+        lease = self.leases.pop(lease_id)
+        self._pipe.hdel(self.keys.leases, lease_id)
+        gen = self.generators.get(lease.record.generator_id or "")
+        if gen is not None:
+            gen.leases.discard(lease_id)
+            if notify:
+                self._after_flush(self.gen_sock, gen.identity, Revoke(lease_ids=[lease_id]))
+        group = self.groups[lease.record.group_id]
+        unfinished = [s for s in lease.record.samples if group.samples[s].done is None]
+        if not unfinished:
+            return
+        new = self._new_lease(group.meta.group_id, unfinished)
+        gkey = self.keys.group(group.meta.group_id)
+        for s in unfinished:
+            self._delete_chunks(gkey, s, group.samples[s].restart(new.lease_id))
+        self.unassigned.append(new.lease_id)
+        self.stats.leases_reissued += 1
+        self._pipe.hincrby(self.keys.counters, "leases_reissued", 1)
+
+    def _new_lease(self, group_id: int, samples: list[int]) -> ActiveLease:
+        lease = ActiveLease(LeaseRecord(lease_id=self.next_lease_id, group_id=group_id, generator_id=None,
+                                        samples=samples, sampling=self.sampling, deadline=0.0))
+        self.next_lease_id += 1
+        self._pipe.hset(self.keys.counters, "next_lease_id", self.next_lease_id)
+        self.leases[lease.lease_id] = lease
+        self._pipe.hset(self.keys.leases, lease.lease_id, pack(lease.record))
+        return lease
+
+    def _dispatch_leases(self) -> None:
+        min_version = self.policy.min_version(self.learner_version)
+        for gen in self.generators.values():
+            if gen.record.weight_version < min_version:
+                continue  # its weights are too old: it waits for the next sync
+            while gen.free_slots() > 0:
+                lease = self._next_lease()
+                if lease is None:
+                    return
+                self._assign(lease, gen, min_version)
+
+    def _next_lease(self) -> ActiveLease | None:
+        while self.unassigned:
+            lease = self.leases.get(self.unassigned.popleft())
+            if lease is not None:
+                return lease
+        if not self.policy.may_issue(self.groups_issued, self.groups_dropped, self.learner_version):
+            return None
+        group = self._issue_group()
+        return None if group is None else self._new_lease(group.meta.group_id, list(range(group.meta.n_samples)))
+
+    def _issue_group(self) -> OpenGroup | None:
+        if self.requeued_prompts:
+            index, epoch = self.requeued_prompts.popleft(), self.epoch
+            self._pipe.lpop(self.keys.requeue)
+        else:
+            if self.source.exhausted(self.epoch):
+                return None
+            index, epoch = self.source.index_at(self.epoch, self.cursor), self.epoch
+            self.cursor += 1
+            if self.cursor >= len(self.source):
+                self.epoch, self.cursor = self.epoch + 1, 0
+            self._pipe.hset(self.keys.source, mapping={"epoch": self.epoch, "cursor": self.cursor})
+        prompt = self.source.prompt(index, epoch)
+        gid = self.groups_issued
+        self.groups_issued += 1
+        n = self.cfg.data.n_samples_per_prompt
+        meta = GroupMeta(group_id=gid, prompt_index=index, epoch=epoch, prompt_tokens=prompt.tokens.tobytes(),
+                         n_samples=n, metadata=prompt.metadata, issued_at_version=self.learner_version)
+        group = OpenGroup(meta, [SampleAssembly(lease_id=-1) for _ in range(n)])
+        self.groups[gid] = group
+        self._pipe.hset(self.keys.group(gid), META, pack(meta))
+        self._pipe.sadd(self.keys.open, gid)
+        self._pipe.hset(self.keys.counters, "groups_issued", self.groups_issued)
+        return group
+
+    def _assign(self, lease: ActiveLease, gen: GeneratorInfo, min_version: int) -> None:
+        rec = lease.record
+        rec.generator_id = gen.record.generator_id
+        rec.deadline = time.time() + self.hcfg.lease_timeout_s
+        lease.assigned_at = time.monotonic()
+        gen.leases.add(rec.lease_id)
+        group = self.groups[rec.group_id]
+        for s in rec.samples:
+            group.samples[s].lease_id = rec.lease_id
+        self._pipe.hset(self.keys.leases, rec.lease_id, pack(rec))
+        self.stats.leases_issued += 1
+        msg = Lease(lease_id=rec.lease_id, group_id=rec.group_id, prompt_tokens=group.meta.prompt_tokens,
+                    samples=rec.samples, sampling=rec.sampling, min_version=min_version, deadline=rec.deadline)
+        self._after_flush(self.gen_sock, gen.identity, msg)
+
+    # ------------------------------------------------------------------ stats
+
+    def snapshot(self) -> dict[str, object]:
+        s = self.stats
+        counters = {"chunks_in": s.chunks_in, "tokens_in": s.tokens_in, "duplicate_chunks": s.duplicates,
+                    "samples_completed": s.samples_completed, "groups_ready": s.groups_ready,
+                    "scores_in": s.scores_in, "score_resends": s.score_resends, "leases_issued": s.leases_issued,
+                    "leases_reissued": s.leases_reissued, "generators_evicted": s.generators_evicted,
+                    "groups_issued": self.groups_issued, "groups_dropped": self.groups_dropped}
+        gauges = {"learner_version": self.learner_version, "open_groups": len(self.groups),
+                  "active_leases": len(self.leases) - len(self.unassigned), "unassigned_leases": len(self.unassigned),
+                  "generators": len(self.generators), "reward_workers": len(self.reward_workers),
+                  "scores_pending": len(self.score_queue) + len(self.score_sent),
+                  "requeued_prompts": len(self.requeued_prompts), "data_epoch": self.epoch,
+                  "data_exhausted": int(self.source.exhausted(self.epoch) and not self.requeued_prompts)}
+        try:
+            gauges["ready_groups"] = int(self.redis.zcard(self.keys.ready))
+            staleness = {int(k): int(v) for k, v in self.redis.hgetall(self.keys.staleness).items()}
+        except redis.RedisError:
+            staleness = {}
+        return {"counters": counters, "gauges": gauges, "rejected": dict(s.rejected), "staleness": staleness}
+
+    def _log_stats(self) -> None:
+        snap = self.snapshot()
+        c, g = snap["counters"], snap["gauges"]
+        assert isinstance(c, dict) and isinstance(g, dict)
+        rates = self._rates.rates({"tokens": c["tokens_in"], "chunks": c["chunks_in"]})
+        log.info("v%d | %.0f tok/s %.0f chunks/s | open %d ready %s leases %d | issued %d dropped %d reissued %d | staleness %s | rejected %s",
+                 g["learner_version"], rates["tokens"], rates["chunks"], g["open_groups"], g.get("ready_groups"),
+                 g["active_leases"], c["groups_issued"], c["groups_dropped"], c["leases_reissued"],
+                 snap["staleness"], snap["rejected"] or "{}")
+
+
+def _port_of(sock: zmq.Socket) -> int:
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    return int(endpoint.rsplit(":", 1)[1])

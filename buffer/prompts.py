@@ -1,0 +1,141 @@
+"""Prompt source: JSONL, parquet or a local HF ``datasets`` directory, tokenized on demand.
+
+The order of an epoch is a permutation seeded by (data.seed, epoch), so the only state worth
+persisting is (epoch, cursor) — the hub keeps it in Redis and resumes exactly after a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flywheel.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+Metadata = dict[str, str | int | float | bool | None]
+
+
+@dataclass
+class Prompt:
+    index: int  # row in the source
+    epoch: int
+    tokens: np.ndarray  # int32
+    metadata: Metadata
+
+
+def _detect_format(path: Path, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    if path.is_dir():
+        return "hf_disk"
+    if path.suffix in (".jsonl", ".json"):
+        return "jsonl"
+    if path.suffix == ".parquet":
+        return "parquet"
+    raise ValueError(f"data.path {str(path)!r}: cannot tell its format from the suffix; set data.format to jsonl, parquet or hf_disk")
+
+
+def load_rows(cfg: DataConfig) -> list[dict[str, Any]]:
+    """Read the source into rows holding only the input key and metadata keys."""
+    assert cfg.path is not None
+    path = Path(cfg.path)
+    if not path.exists():
+        raise ValueError(f"data.path {str(path)!r} does not exist")
+    fmt = _detect_format(path, cfg.format)
+    keep = [cfg.input_key, *cfg.metadata_keys]
+    if fmt == "jsonl":
+        rows = []
+        with path.open() as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+                    rows.append({k: row[k] for k in keep if k in row})
+    elif fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        cols = [k for k in keep if k in table.column_names]
+        rows = table.select(cols).to_pylist()
+    else:
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            split = "train" if "train" in ds else next(iter(ds))
+            log.info("data.path is a DatasetDict; using split %r", split)
+            ds = ds[split]
+        cols = [k for k in keep if k in ds.column_names]
+        rows = ds.select_columns(cols).to_list()
+    missing = sum(1 for r in rows if cfg.input_key not in r)
+    if not rows:
+        raise ValueError(f"data.path {str(path)!r} holds no rows")
+    if missing:
+        raise ValueError(f"{missing} of {len(rows)} rows lack data.input_key {cfg.input_key!r}; set --data.input_key to the prompt field")
+    return rows
+
+
+class PromptSource:
+    """Yields tokenized prompts in seeded epoch order from a persisted (epoch, cursor)."""
+
+    def __init__(self, cfg: DataConfig, rows: list[dict[str, Any]], tokenizer: Any) -> None:
+        self.cfg = cfg
+        self.rows = rows
+        self.tokenizer = tokenizer
+        self.truncated = 0
+        self._order_epoch = -1
+        self._order: np.ndarray = np.arange(0)
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig) -> PromptSource:
+        from transformers import AutoTokenizer  # heavy: only once the config is parsed
+
+        assert cfg.tokenizer is not None
+        return cls(cfg, load_rows(cfg), AutoTokenizer.from_pretrained(cfg.tokenizer))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch != self._order_epoch:
+            idx = np.arange(len(self.rows))
+            if self.cfg.shuffle:
+                np.random.default_rng([self.cfg.seed, epoch]).shuffle(idx)
+            self._order, self._order_epoch = idx, epoch
+        return self._order
+
+    def exhausted(self, epoch: int) -> bool:
+        return epoch >= self.cfg.epochs
+
+    def index_at(self, epoch: int, cursor: int) -> int:
+        return int(self.order(epoch)[cursor])
+
+    def prompt(self, index: int, epoch: int) -> Prompt:
+        row = self.rows[index]
+        text = row[self.cfg.input_key]
+        if self.cfg.apply_chat_template:
+            messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
+            ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+            if hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+        else:
+            ids = self.tokenizer(str(text), add_special_tokens=True)["input_ids"]
+        if len(ids) > self.cfg.max_prompt_tokens:
+            self.truncated += 1
+            ids = ids[-self.cfg.max_prompt_tokens :]
+        meta: Metadata = {k: _scalar(row[k]) for k in self.cfg.metadata_keys if k in row}
+        return Prompt(index, epoch, np.asarray(ids, dtype=np.int32), meta)
+
+
+def _scalar(value: Any) -> str | int | float | bool | None:
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return json.dumps(value)

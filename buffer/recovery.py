@@ -1,0 +1,108 @@
+"""Rebuild the hub's in-memory mirror from Redis: a restarted hub resumes where it died.
+
+Everything acknowledged is in Redis (acks follow the MULTI/EXEC write of their turn), so this
+only has to read: counters, the source position, leases, generators, and each open group's
+chunks, samples and scores.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from buffer.hub import Hub
+from buffer.state import ActiveLease, GeneratorInfo, OpenGroup, SampleAssembly
+from flywheel.staleness import GroupState
+from flywheel.store import META, GeneratorRecord, GroupMeta, LeaseRecord, StoredSample, StoredScore, unpack, unpack_chunk
+from flywheel.wire import unpack_i32
+
+log = logging.getLogger(__name__)
+
+
+def load(hub: Hub) -> None:
+    r, k = hub.redis, hub.keys
+    counters = {key.decode(): int(v) for key, v in r.hgetall(k.counters).items()}
+    hub.groups_issued = counters.get("groups_issued", 0)
+    hub.groups_dropped = counters.get("groups_dropped", 0)
+    hub.next_lease_id = counters.get("next_lease_id", 0)
+    hub.stats.leases_reissued = counters.get("leases_reissued", 0)
+    source = {key.decode(): int(v) for key, v in r.hgetall(k.source).items()}
+    hub.epoch, hub.cursor = source.get("epoch", 0), source.get("cursor", 0)
+    hub.requeued_prompts.extend(int(i) for i in r.lrange(k.requeue, 0, -1))
+    hub.learner_version = int(r.get(k.version) or 0)
+
+    now = time.monotonic()
+    for raw in r.hvals(k.generators):
+        rec = unpack(GeneratorRecord, raw)
+        # presumed alive until its heartbeat is overdue; it keeps its socket identity
+        hub.generators[rec.generator_id] = GeneratorInfo(rec, rec.generator_id.encode(), now)
+
+    for gid in sorted(int(g) for g in r.smembers(k.open)):
+        group = _load_group(hub, gid)
+        if group is not None:
+            hub.groups[gid] = group
+
+    for raw in r.hvals(k.leases):
+        rec = unpack(LeaseRecord, raw)
+        if rec.group_id not in hub.groups:
+            r.hdel(k.leases, rec.lease_id)
+            continue
+        hub.leases[rec.lease_id] = ActiveLease(rec, now)
+        for s in rec.samples:
+            if hub.groups[rec.group_id].samples[s].done is None:
+                hub.groups[rec.group_id].samples[s].lease_id = rec.lease_id
+        gen = hub.generators.get(rec.generator_id or "")
+        if rec.generator_id is None or gen is None:
+            rec.generator_id = None
+            hub.unassigned.append(rec.lease_id)
+        else:
+            gen.leases.add(rec.lease_id)
+            rec.deadline = max(rec.deadline, time.time() + hub.hcfg.generator_timeout_s)
+
+    # groups that were fully scored when the hub died become ready now
+    for group in list(hub.groups.values()):
+        if group.all_scored():
+            hub._mark_ready(group)
+    hub._flush()
+    log.info("recovered: v%d, %d open groups, %d leases, %d generators, %d samples to score, issued %d dropped %d",
+             hub.learner_version, len(hub.groups), len(hub.leases), len(hub.generators), len(hub.score_queue),
+             hub.groups_issued, hub.groups_dropped)
+
+
+def _load_group(hub: Hub, gid: int) -> OpenGroup | None:
+    raw = hub.redis.hgetall(hub.keys.group(gid))
+    if META not in raw:
+        log.warning("open group %d has no data in Redis; forgetting it", gid)
+        hub.redis.srem(hub.keys.open, gid)
+        return None
+    meta = unpack(GroupMeta, raw[META])
+    samples = [SampleAssembly(lease_id=-1) for _ in range(meta.n_samples)]
+    for field, value in raw.items():
+        kind, _, rest = field.partition(b":")
+        if kind == b"s":
+            sample = samples[int(rest)]
+            sample.done = unpack(StoredSample, value)
+            sample.lease_id = sample.done.lease_id
+            v = unpack_i32(sample.done.versions)
+            sample.version = int(v.min()) if len(v) else 0
+        elif kind == b"r":
+            samples[int(rest)].score = unpack(StoredScore, value)
+    for field, value in raw.items():
+        if field.startswith(b"c:"):
+            chunk = unpack_chunk(value)
+            sample = samples[chunk.sample]
+            if sample.done is not None:
+                continue  # leftover of a completed sample
+            sample.lease_id = chunk.lease_id
+            sample.chunks[chunk.seq] = chunk
+            if chunk.finish_reason is not None:
+                sample.final_seq = chunk.seq
+    group = OpenGroup(meta, samples)
+    if any(s.done is not None or s.chunks for s in samples):
+        group.move(GroupState.GENERATING)
+        if group.all_done():
+            group.move(GroupState.COMPLETE)
+    for index, sample in enumerate(samples):
+        if sample.done is not None and sample.score is None:
+            hub.score_queue.append((gid, index))
+    return group

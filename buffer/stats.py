@@ -1,0 +1,101 @@
+"""Hub statistics: counters kept in memory, a periodic log line, and a Prometheus endpoint."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HubStats:
+    chunks_in: int = 0
+    tokens_in: int = 0
+    duplicates: int = 0
+    samples_completed: int = 0
+    groups_ready: int = 0
+    scores_in: int = 0
+    score_resends: int = 0
+    leases_issued: int = 0
+    leases_reissued: int = 0
+    generators_evicted: int = 0
+    prompts_truncated: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    # durable-latency samples (seconds from frame receipt to Redis write done), bounded
+    durable_s: list[float] = field(default_factory=list)
+
+    def note_durable(self, seconds: float) -> None:
+        if len(self.durable_s) < 100_000:
+            self.durable_s.append(seconds)
+
+
+class RejectLog:
+    """Logs a rejected message at most once per reason per interval, with the count since."""
+
+    def __init__(self, stats: HubStats, interval_s: float) -> None:
+        self.stats = stats
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+
+    def reject(self, reason: str, detail: str, peer: bytes | str = b"") -> None:
+        self.stats.rejected[reason] += 1
+        now = time.monotonic()
+        if now - self._last.get(reason, -1e18) >= self.interval_s:
+            more = self._suppressed.pop(reason, 0)
+            suffix = f" (+{more} more since last report)" if more else ""
+            log.warning("rejected %s from %r: %s%s", reason, peer, detail, suffix)
+            self._last[reason] = now
+        else:
+            self._suppressed[reason] += 1
+
+
+class RateMeter:
+    """Rates over the interval since the last call."""
+
+    def __init__(self) -> None:
+        self._t = time.monotonic()
+        self._last: dict[str, int] = {}
+
+    def rates(self, values: dict[str, int]) -> dict[str, float]:
+        now = time.monotonic()
+        dt = max(now - self._t, 1e-9)
+        out = {k: (v - self._last.get(k, 0)) / dt for k, v in values.items()}
+        self._t, self._last = now, dict(values)
+        return out
+
+
+def start_metrics_server(port: int, host: str, snapshot: Callable[[], dict[str, object]]) -> int:
+    """Serve /metrics in Prometheus text format from ``snapshot()``; return the bound port.
+
+    ``snapshot`` returns ``{"counters": {...}, "gauges": {...}, "rejected": {reason: n},
+    "staleness": {k: n}}``; it is called on the HTTP thread at each scrape.
+    """
+    from prometheus_client import REGISTRY
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.exposition import start_http_server
+    from prometheus_client.registry import Collector
+
+    class HubCollector(Collector):
+        def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+            snap = snapshot()
+            for name, value in snap["counters"].items():  # type: ignore[attr-defined]
+                yield CounterMetricFamily(f"flywheel_hub_{name}", f"hub counter {name}", value=value)
+            for name, value in snap["gauges"].items():  # type: ignore[attr-defined]
+                yield GaugeMetricFamily(f"flywheel_hub_{name}", f"hub gauge {name}", value=value)
+            rej = CounterMetricFamily("flywheel_hub_rejected", "rejected messages by reason", labels=["reason"])
+            for reason, n in snap["rejected"].items():  # type: ignore[attr-defined]
+                rej.add_metric([reason], n)
+            yield rej
+            st = GaugeMetricFamily("flywheel_hub_served_staleness", "groups served to learners by staleness", labels=["staleness"])
+            for k, n in snap["staleness"].items():  # type: ignore[attr-defined]
+                st.add_metric([str(k)], n)
+            yield st
+
+    REGISTRY.register(HubCollector())
+    server, _thread = start_http_server(port, addr=host)
+    return int(server.server_address[1])

@@ -1,0 +1,56 @@
+"""``flywheel``: the launcher. Subcommands parse their flags before importing anything heavy."""
+
+from __future__ import annotations
+
+import sys
+
+from flywheel.config import ConfigError, help_text, reference_markdown
+
+USAGE = """usage: flywheel COMMAND [options]
+
+commands:
+  demo [--steps N] [--generators N] [--section.field VALUE ...]
+        hub demo: private Redis + hub + simulated generators + reward worker + a consumer
+  config [--markdown]
+        print every config key with its type, default and meaning
+"""
+
+
+def _pop_int(argv: list[str], flag: str, default: int) -> int:
+    if flag in argv:
+        i = argv.index(flag)
+        value = int(argv[i + 1])
+        del argv[i : i + 2]
+        return value
+    return default
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "config":
+        print(reference_markdown() if "--markdown" in rest else help_text("flywheel", "Config reference."))
+        return 0
+    if command == "demo":
+        if "-h" in rest or "--help" in rest:
+            print(USAGE)
+            print(help_text("flywheel demo", "Overrides apply to the hub and reward worker."))
+            return 0
+        steps = _pop_int(rest, "--steps", 12)
+        generators = _pop_int(rest, "--generators", 3)
+        from flywheel.demo import run_demo
+
+        try:
+            return run_demo(rest, steps=steps, generators=generators)
+        except ConfigError as err:
+            print(f"flywheel demo: {err}", file=sys.stderr)
+            return 2
+    print(f"flywheel: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""The one typed config tree of a Flywheel run.
+
+Loaded from a YAML recipe plus dotted command-line overrides (``--async.max_staleness 4``).
+Unknown keys are rejected with the nearest valid name. Each service reads its own section plus
+the shared ones (``run``, ``redis``, ``async``). Importing this module never imports torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_default=True)
+
+
+class RunConfig(_Section):
+    """Identity of a run: every Redis key of the run lives under its name."""
+
+    name: str = Field("flywheel", description="Run name; the Redis key prefix is fw:<name>. Letters, digits, '_', '-', '.'.")
+    seed: int = Field(0, ge=0, description="Base random seed (data shuffling, simulated generators).")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Logging level of every service.")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_key_safe(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", v):
+            raise ValueError("run.name must be 1-64 characters of letters, digits, '_', '-', '.' (it becomes a Redis key prefix)")
+        return v
+
+
+class RedisConfig(_Section):
+    """Where the hub's durable state lives."""
+
+    url: str | None = Field(None, description="redis:// URL of an existing server. Unset: the launcher starts a private redis-server (AOF on).")
+    dir: str | None = Field(None, description="Data directory of a private server (AOF files). Unset: a fresh temporary directory.")
+    appendfsync: Literal["always", "everysec", "no"] = Field("everysec", description="AOF fsync policy of a private server.")
+    socket_timeout_s: float = Field(10.0, gt=0, le=600, description="Timeout of every Redis call; a hung Redis raises instead of blocking forever.")
+
+
+class DataConfig(_Section):
+    """The prompt source the hub leases from."""
+
+    path: str | None = Field(None, description="JSONL file, parquet file, or a local HF `datasets` directory (save_to_disk).")
+    format: Literal["auto", "jsonl", "parquet", "hf_disk"] = Field("auto", description="Source format; auto picks by suffix / directory.")
+    input_key: str = Field("prompt", description="Field holding the prompt text (or a list of chat messages when apply_chat_template).")
+    metadata_keys: list[str] = Field(default_factory=lambda: ["answer"], description="Fields passed through to the reward service (e.g. the reference answer). Missing ones are skipped.")
+    tokenizer: str | None = Field(None, description="HF tokenizer path used to tokenize prompts. Required when data.path is set.")
+    apply_chat_template: bool = Field(False, description="Format each prompt with the tokenizer's chat template before tokenizing.")
+    max_prompt_tokens: int = Field(1024, ge=1, le=1 << 20, description="Prompts longer than this are truncated from the left (and counted).")
+    epochs: int = Field(1, ge=1, le=100000, description="Passes over the prompt source.")
+    shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded by data.seed and the epoch).")
+    seed: int = Field(0, ge=0, description="Shuffle seed.")
+    n_samples_per_prompt: int = Field(4, ge=1, le=4096, description="Samples per prompt: one prompt group holds this many.")
+
+
+class RolloutConfig(_Section):
+    """Sampling parameters carried by every lease."""
+
+    max_tokens: int = Field(256, ge=1, le=1 << 20, description="Maximum new tokens per sample.")
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
+
+
+class AsyncConfig(_Section):
+    """How far generation may run ahead of the learner (DESIGN.md: versions and staleness)."""
+
+    max_staleness: int = Field(1, ge=0, le=1000, description="η: never train on a sample older than v - η. 0 is exactly synchronous on-policy training.")
+    groups_per_step: int = Field(8, ge=1, le=1 << 20, description="Prompt groups the learner consumes per optimizer step.")
+    requeue_stale: bool = Field(True, description="Re-queue the prompts of groups dropped as too stale (otherwise they are skipped).")
+
+
+class HubConfig(_Section):
+    """The rollout hub service (flywheel-buffer)."""
+
+    host: str = Field("127.0.0.1", description="Interface the hub binds (use 0.0.0.0 on a cluster).")
+    generator_port: int = Field(5555, ge=0, le=65535, description="ROUTER port for generators (Register, Heartbeat, Chunk). 0 picks a free port.")
+    reward_port: int = Field(5556, ge=0, le=65535, description="ROUTER port for reward workers. 0 picks a free port.")
+    metrics_port: int | None = Field(9400, ge=0, le=65535, description="Prometheus /metrics HTTP port; null disables it. 0 picks a free port.")
+    lease_timeout_s: float = Field(60.0, gt=0, le=86400, description="A lease with no chunk or heartbeat for this long is re-issued.")
+    generator_timeout_s: float = Field(15.0, gt=0, le=86400, description="A generator silent for this long is presumed dead: its leases are re-issued at once.")
+    score_timeout_s: float = Field(60.0, gt=0, le=86400, description="A score request unanswered for this long is sent again.")
+    max_message_bytes: int = Field(64 << 20, ge=1024, description="Frames larger than this are rejected (counted as 'oversized').")
+    sndhwm: int = Field(10000, ge=0, description="ZMQ send high-water mark (messages).")
+    rcvhwm: int = Field(10000, ge=0, description="ZMQ receive high-water mark (messages).")
+    max_ingest_batch: int = Field(512, ge=1, le=1 << 16, description="Frames drained per loop turn before one pipelined Redis write.")
+    stats_interval_s: float = Field(10.0, gt=0, description="How often the hub logs a stats line.")
+    reject_log_interval_s: float = Field(10.0, gt=0, description="Rejected messages are logged at most once per reason per interval.")
+    state_file: str | None = Field(None, description="Write the bound ports here as JSON once listening (for launchers and tests).")
+
+
+class RewardConfig(_Section):
+    """The reward service (flywheel-reward)."""
+
+    function: Literal["exact_match", "length"] = Field("exact_match", description="Reward function: exact_match (response text contains metadata 'answer') or length (tokens / max_tokens).")
+    tokenizer: str | None = Field(None, description="HF tokenizer for decoding responses; defaults to data.tokenizer.")
+    hub_address: str = Field("tcp://127.0.0.1:5556", description="Hub reward ROUTER address the workers connect to.")
+    capacity: int = Field(64, ge=1, le=65536, description="Samples a worker scores concurrently (its credit at the hub).")
+
+
+class FlywheelConfig(_Section):
+    """A whole run. Sections map to YAML top-level keys and to `--section.field` flags."""
+
+    run: RunConfig = Field(default_factory=RunConfig, description="Run identity.")
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="Durable state.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt source.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling.")
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async", description="Staleness bound.")
+    hub: HubConfig = Field(default_factory=HubConfig, description="Rollout hub.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward service.")
+
+    @model_validator(mode="after")
+    def _data_needs_tokenizer(self) -> FlywheelConfig:
+        if self.data.path is not None and self.data.tokenizer is None:
+            raise ValueError("data.tokenizer is required when data.path is set: pass --data.tokenizer PATH (an HF tokenizer directory)")
+        return self
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class ConfigError(ValueError):
+    """A recipe or flag a user must fix; the message names the key and the fix."""
+
+
+def parse_overrides(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
+    """Split ``[--config FILE] --a.b value --c.d=value ...`` into (recipe path, nested dict)."""
+    recipe: str | None = None
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: flags look like --section.field VALUE")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"flag --{key} needs a value: --{key} VALUE")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        if key in ("config", "c"):
+            recipe = value
+            continue
+        node = overrides
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--{key} conflicts with an earlier flag that set {part!r} to a value")
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+    return recipe, overrides
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _known_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    paths = []
+    for name, field in model.model_fields.items():
+        key = field.alias or name
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            paths.extend(_known_paths(ann, f"{prefix}{key}."))
+        else:
+            paths.append(f"{prefix}{key}")
+    return paths
+
+
+def _explain(err: ValidationError) -> str:
+    known = _known_paths(FlywheelConfig)
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            near = difflib.get_close_matches(path, known, n=1)
+            hint = f"; did you mean `{near[0]}`?" if near else "; see `flywheel config` for every key"
+            lines.append(f"unknown key `{path}`{hint}")
+        else:
+            where = f"`{path}`: " if path else ""
+            lines.append(f"{where}{e['msg']} (got {e.get('input')!r})")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def load_config(argv: list[str] | None = None, recipe: str | Path | None = None) -> FlywheelConfig:
+    """Build the config from an optional recipe file and dotted overrides in ``argv``."""
+    flag_recipe, overrides = parse_overrides(list(argv or []))
+    path = flag_recipe or recipe
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"recipe {str(p)!r} not found: pass --config PATH to a YAML file (see configs/)")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"recipe {str(p)!r} must be a YAML mapping of sections")
+        data = loaded
+    try:
+        return FlywheelConfig.model_validate(_merge(data, overrides))
+    except ValidationError as err:
+        raise ConfigError(_explain(err)) from None
+
+
+def reference(model: type[BaseModel] = FlywheelConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) for every leaf field: the config reference."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key = field.alias or name
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(reference(ann, f"{prefix}{key}."))
+            continue
+        default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+        type_name = str(ann).replace("typing.", "") if not isinstance(ann, type) else ann.__name__
+        bounds = [f"{m.__class__.__name__.lower()} {next(iter(vars(m).values()))}" for m in field.metadata if vars(m)]
+        desc = field.description or ""
+        if bounds:
+            desc += f" [{', '.join(bounds)}]"
+        rows.append((f"{prefix}{key}", type_name, repr(default), desc))
+    return rows
+
+
+def reference_markdown() -> str:
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{k}` | `{t}` | `{d}` | {m} |" for k, t, d, m in reference()]
+    return "\n".join(rows)
+
+
+def help_text(prog: str, what: str) -> str:
+    lines = [
+        f"usage: {prog} [--config RECIPE.yaml] [--section.field VALUE ...]",
+        "",
+        what,
+        "",
+        "Every config key can be set in the recipe or overridden with a flag:",
+    ]
+    lines += [f"  --{k:<32} {m} (default {d})" for k, _, d, m in reference()]
+    return "\n".join(lines)

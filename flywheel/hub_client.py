@@ -1,0 +1,140 @@
+"""The learner's side of the hub: publish the policy version, claim batches of scored groups.
+
+Claims run as one Lua script inside Redis, so a group is served exactly once even when several
+learners (or a restarted one) race. Group data is then read straight from Redis: the hub is not
+on the learner's data path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import redis
+
+from flywheel.staleness import StalenessPolicy
+from flywheel.store import (
+    CLAIM_SCRIPT,
+    META,
+    GroupMeta,
+    RunKeys,
+    StoredSample,
+    StoredScore,
+    sample_field,
+    score_field,
+    unpack,
+)
+from flywheel.wire import unpack_f32, unpack_i32
+
+
+@dataclass
+class RolloutSample:
+    tokens: np.ndarray  # [T] int32 response token ids
+    logprobs: np.ndarray  # [T] float32 behaviour log-probabilities
+    versions: np.ndarray  # [T] int32 policy version of each token
+    finish_reason: str
+    reward: float
+    reward_breakdown: dict[str, float]
+    reward_error: str | None
+
+    @property
+    def version(self) -> int:
+        """A sample's version is the oldest version among its tokens."""
+        return int(self.versions.min()) if len(self.versions) else 0
+
+
+@dataclass
+class RolloutGroup:
+    group_id: int
+    version: int  # oldest token version in the group
+    staleness: int  # learner version at claim time minus ``version``
+    prompt_tokens: np.ndarray  # [P] int32
+    metadata: dict[str, object]
+    samples: list[RolloutSample]
+
+
+@dataclass
+class Batch:
+    learner_version: int
+    groups: list[RolloutGroup]
+    dropped: int  # groups dropped as too stale while claiming
+    wait_s: float  # how long the learner waited for it
+    staleness: list[int] = field(default_factory=list)
+
+
+class BatchTimeout(TimeoutError):
+    pass
+
+
+class BatchClient:
+    """Claims batches for a learner at a known version. One per learner process."""
+
+    def __init__(self, client: redis.Redis, run: str, policy: StalenessPolicy) -> None:
+        self.redis = client
+        self.keys = RunKeys(run)
+        self.policy = policy
+        self._claim = client.register_script(CLAIM_SCRIPT)
+
+    def set_version(self, version: int) -> None:
+        """Publish the learner's policy version (after each optimizer step)."""
+        self.redis.set(self.keys.version, version)
+
+    def get_version(self) -> int:
+        raw = self.redis.get(self.keys.version)
+        return int(raw) if raw is not None else 0
+
+    def try_claim(self, n_groups: int, learner_version: int) -> tuple[list[tuple[int, int]], int]:
+        """One atomic claim: ([(group id, version)], dropped count); empty if fewer than n ready."""
+        k = self.keys
+        dropped, popped = self._claim(
+            keys=[k.ready, k.counters, k.consumed, k.staleness, k.dropped],
+            args=[n_groups, learner_version, self.policy.max_staleness],
+        )
+        pairs = [(int(popped[i]), int(float(popped[i + 1]))) for i in range(0, len(popped), 2)]
+        return pairs, int(dropped)
+
+    def claim(self, n_groups: int, learner_version: int, timeout_s: float, poll_s: float = 0.005) -> Batch:
+        """Wait up to ``timeout_s`` for ``n_groups`` fresh-enough scored groups and load them."""
+        start = time.monotonic()
+        dropped_total = 0
+        while True:
+            pairs, dropped = self.try_claim(n_groups, learner_version)
+            dropped_total += dropped
+            if pairs:
+                break
+            if time.monotonic() - start > timeout_s:
+                ready = self.redis.zcard(self.keys.ready)
+                raise BatchTimeout(f"no batch of {n_groups} groups within {timeout_s:.1f}s ({ready} ready); is the hub running and are generators connected?")
+            time.sleep(poll_s)
+        groups = self._load(pairs, learner_version)
+        return Batch(learner_version, groups, dropped_total, time.monotonic() - start, [g.staleness for g in groups])
+
+    def _load(self, pairs: list[tuple[int, int]], learner_version: int) -> list[RolloutGroup]:
+        pipe = self.redis.pipeline(transaction=False)
+        for gid, _ in pairs:
+            pipe.hgetall(self.keys.group(gid))
+        for gid, _ in pairs:
+            pipe.delete(self.keys.group(gid))  # consumed: the data is ours now
+        raw_groups = pipe.execute()[: len(pairs)]
+        out = []
+        for (gid, version), raw in zip(pairs, raw_groups, strict=True):
+            assert META in raw, f"group {gid} was ready but has no data"
+            meta = unpack(GroupMeta, raw[META])
+            samples = []
+            for s in range(meta.n_samples):
+                stored = unpack(StoredSample, raw[sample_field(s)])
+                score = unpack(StoredScore, raw[score_field(s)])
+                samples.append(RolloutSample(
+                    tokens=unpack_i32(stored.tokens), logprobs=unpack_f32(stored.logprobs),
+                    versions=unpack_i32(stored.versions), finish_reason=stored.finish_reason,
+                    reward=score.reward, reward_breakdown=score.breakdown, reward_error=score.error,
+                ))
+            out.append(RolloutGroup(gid, version, learner_version - version, unpack_i32(meta.prompt_tokens), dict(meta.metadata), samples))
+        return out
+
+    def staleness_histogram(self) -> dict[int, int]:
+        return {int(k): int(v) for k, v in self.redis.hgetall(self.keys.staleness).items()}
+
+    def counters(self) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in self.redis.hgetall(self.keys.counters).items()}

@@ -1,0 +1,59 @@
+"""Start and stop service processes: each child is tracked by pid and stopped only by pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class Service:
+    """One child process (``python -m module args``) with its log file."""
+
+    def __init__(self, name: str, module: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("ab")
+        full_env = {**os.environ, **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill9(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=timeout_s)
+        self._log.close()
+
+    def tail(self, n: int = 30) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+
+def wait_for_state_file(path: Path, service: Service, timeout_s: float = 60.0) -> dict[str, int]:
+    """Wait until a service writes its ports, failing fast if it dies first."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if not service.alive():
+            raise RuntimeError(f"{service.name} exited ({service.proc.returncode}) before listening:\n{service.tail()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{service.name} did not start within {timeout_s}s:\n{service.tail()}")
+        time.sleep(0.05)
+    return json.loads(path.read_text())  # type: ignore[no-any-return]

@@ -1,0 +1,77 @@
+"""Versions and staleness: the rules of DESIGN.md as one small, testable object.
+
+Lifecycle of a prompt group (the unit the learner consumes):
+
+    ISSUED ──► GENERATING ──► COMPLETE ──► SCORED ──► READY ──► CONSUMED
+                    │  ▲                                  │
+                    └──┘ (lease expired: unfinished        └──► DROPPED (too stale at
+                          samples re-issued)                     consumption; prompt
+                                                                 re-queued if configured)
+
+- ISSUED: a prompt was taken from the source and counted against admission.
+- GENERATING: at least one lease of the group is running on a generator.
+- COMPLETE: every sample has its final chunk; samples are with the reward service.
+- SCORED / READY: every sample has a score; the group sits in the ready queue with its
+  version (the oldest version among all its tokens).
+- CONSUMED: claimed by a learner at version v with v - version <= η (exactly once).
+- DROPPED: found with v - version > η when claimed; it no longer counts as issued.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class GroupState(enum.Enum):
+    ISSUED = "issued"
+    GENERATING = "generating"
+    COMPLETE = "complete"
+    SCORED = "scored"
+    READY = "ready"
+    CONSUMED = "consumed"
+    DROPPED = "dropped"
+
+
+_NEXT: dict[GroupState, frozenset[GroupState]] = {
+    GroupState.ISSUED: frozenset({GroupState.GENERATING}),
+    GroupState.GENERATING: frozenset({GroupState.GENERATING, GroupState.COMPLETE}),
+    GroupState.COMPLETE: frozenset({GroupState.SCORED}),
+    GroupState.SCORED: frozenset({GroupState.READY}),
+    GroupState.READY: frozenset({GroupState.CONSUMED, GroupState.DROPPED}),
+    GroupState.CONSUMED: frozenset(),
+    GroupState.DROPPED: frozenset(),
+}
+
+
+def advance(current: GroupState, new: GroupState) -> GroupState:
+    """Return ``new`` if the lifecycle allows ``current → new``; an internal invariant otherwise."""
+    assert new in _NEXT[current], f"illegal group transition {current.value} -> {new.value}"
+    return new
+
+
+@dataclass(frozen=True)
+class StalenessPolicy:
+    """η and the step size: everything admission and consumption need to decide."""
+
+    max_staleness: int  # η
+    groups_per_step: int
+
+    def min_version(self, learner_version: int) -> int:
+        """Oldest version a sample may have to be trained on (also the minimum weights version
+        a generator must serve to take a lease)."""
+        return max(0, learner_version - self.max_staleness)
+
+    def admission_limit(self, learner_version: int) -> int:
+        """How many groups may be issued (net of drops) while the learner is at this version."""
+        return (learner_version + self.max_staleness + 1) * self.groups_per_step
+
+    def may_issue(self, groups_issued: int, groups_dropped: int, learner_version: int) -> bool:
+        """Admission: lease a new group only while issued - dropped < (v + η + 1) · groups_per_step."""
+        return groups_issued - groups_dropped < self.admission_limit(learner_version)
+
+    def staleness(self, learner_version: int, sample_version: int) -> int:
+        return learner_version - sample_version
+
+    def too_stale(self, learner_version: int, sample_version: int) -> bool:
+        return self.staleness(learner_version, sample_version) > self.max_staleness

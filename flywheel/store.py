@@ -1,0 +1,174 @@
+"""The Redis layout of a run: key names, stored records, and the atomic claim script.
+
+Shared by the hub (the writer) and the learner's batch client (the consumer). Layout, with
+``R`` the run name:
+
+    fw:{R}:version        learner policy version v (written by the learner)
+    fw:{R}:counters       hash: groups_issued, groups_dropped, groups_consumed, leases_reissued, ...
+    fw:{R}:ready          zset: group id -> group version (scored groups waiting for a learner)
+    fw:{R}:consumed       bitmap: bit gid set once the group was served (never twice)
+    fw:{R}:staleness      hash: staleness -> groups served with it
+    fw:{R}:dropped        list: ids of groups dropped as too stale, for the hub to clean up
+    fw:{R}:open           set: ids of groups issued but not yet ready (rebuilt on hub restart)
+    fw:{R}:leases         hash: lease id -> LeaseRecord
+    fw:{R}:generators     hash: generator id -> GeneratorRecord
+    fw:{R}:source         hash: epoch, cursor (prompt source position)
+    fw:{R}:requeue        list: prompt indices to issue again before the cursor advances
+    fw:R:g:{R:<gid>}      hash: everything of one group (one key, so one hash slot):
+                            meta -> GroupMeta, c:<sample>:<seq> -> Chunk, s:<sample> -> StoredSample,
+                            r:<sample> -> StoredScore
+
+Run-level keys share the hash tag ``{R}`` so the claim script touches one slot; each group's
+data is one key with its own tag, so a Redis Cluster can spread groups over shards.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+
+from flywheel.wire import Chunk, SamplingParams
+
+
+class RunKeys:
+    """Key names of one run."""
+
+    def __init__(self, run: str) -> None:
+        tag = f"fw:{{{run}}}"
+        self.run = run
+        self.version = f"{tag}:version"
+        self.counters = f"{tag}:counters"
+        self.ready = f"{tag}:ready"
+        self.consumed = f"{tag}:consumed"
+        self.staleness = f"{tag}:staleness"
+        self.dropped = f"{tag}:dropped"
+        self.open = f"{tag}:open"
+        self.leases = f"{tag}:leases"
+        self.generators = f"{tag}:generators"
+        self.source = f"{tag}:source"
+        self.requeue = f"{tag}:requeue"
+        self._group_prefix = f"fw:{run}:g:{{{run}:"
+
+    def group(self, group_id: int) -> str:
+        return f"{self._group_prefix}{group_id}}}"
+
+    def all_run_keys(self) -> list[str]:
+        return [self.version, self.counters, self.ready, self.consumed, self.staleness, self.dropped,
+                self.open, self.leases, self.generators, self.source, self.requeue]
+
+
+# Hash fields inside a group key.
+META = b"meta"
+
+
+def chunk_field(sample: int, seq: int) -> bytes:
+    return b"c:%d:%d" % (sample, seq)
+
+
+def sample_field(sample: int) -> bytes:
+    return b"s:%d" % sample
+
+
+def score_field(sample: int) -> bytes:
+    return b"r:%d" % sample
+
+
+class GroupMeta(msgspec.Struct, kw_only=True):
+    """What the hub knows about a group when it issues it."""
+
+    group_id: int
+    prompt_index: int  # position in the prompt source (to re-queue it)
+    epoch: int
+    prompt_tokens: bytes  # packed int32
+    n_samples: int
+    metadata: dict[str, str | int | float | bool | None]
+    issued_at_version: int  # learner version when the group was issued
+
+
+class StoredSample(msgspec.Struct, kw_only=True):
+    """A completed sample, assembled from its chunks in order."""
+
+    tokens: bytes  # packed int32
+    logprobs: bytes  # packed float32
+    versions: bytes  # packed int32
+    finish_reason: str
+    lease_id: int
+
+
+class StoredScore(msgspec.Struct, kw_only=True):
+    reward: float
+    breakdown: dict[str, float] = {}
+    error: str | None = None
+
+
+class LeaseRecord(msgspec.Struct, kw_only=True):
+    lease_id: int
+    group_id: int
+    generator_id: str | None  # None while waiting for a generator (re-issued)
+    samples: list[int]
+    sampling: SamplingParams
+    deadline: float
+
+
+class GeneratorRecord(msgspec.Struct, kw_only=True):
+    generator_id: str
+    model: str
+    capacity: int
+    weight_version: int
+
+
+_enc = msgspec.msgpack.Encoder()
+_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+
+def pack(record: msgspec.Struct) -> bytes:
+    return _enc.encode(record)
+
+
+T = TypeVar("T")
+
+
+def unpack(kind: type[T], data: bytes) -> T:
+    dec = _decoders.get(kind)
+    if dec is None:
+        dec = _decoders[kind] = msgspec.msgpack.Decoder(kind)
+    return dec.decode(data)  # type: ignore[no-any-return]
+
+
+def unpack_chunk(data: bytes) -> Chunk:
+    return unpack(Chunk, data)
+
+
+# Atomically: drop every ready group older than v - η, then pop the n oldest remaining ready
+# groups (or none if fewer than n are ready), mark each consumed in the bitmap (refusing any
+# group served before), and count the staleness of what was served.
+#
+# KEYS: ready, counters, consumed, staleness, dropped
+# ARGV: n, learner_version, max_staleness
+# Returns {dropped_count, {gid1, version1, gid2, version2, ...}}
+CLAIM_SCRIPT = """
+local n = tonumber(ARGV[1])
+local v = tonumber(ARGV[2])
+local floor = v - tonumber(ARGV[3])
+local stale = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. floor)
+for _, gid in ipairs(stale) do
+  redis.call('ZREM', KEYS[1], gid)
+  redis.call('RPUSH', KEYS[5], gid)
+end
+if #stale > 0 then
+  redis.call('HINCRBY', KEYS[2], 'groups_dropped', #stale)
+end
+if redis.call('ZCARD', KEYS[1]) < n then
+  return {#stale, {}}
+end
+local popped = redis.call('ZPOPMIN', KEYS[1], n)
+for i = 1, #popped, 2 do
+  if redis.call('SETBIT', KEYS[3], popped[i], 1) == 1 then
+    return redis.error_reply('group ' .. popped[i] .. ' was already consumed')
+  end
+  redis.call('HINCRBY', KEYS[4], tostring(v - tonumber(popped[i + 1])), 1)
+end
+redis.call('HINCRBY', KEYS[2], 'groups_consumed', n)
+return {#stale, popped}
+"""

@@ -1,0 +1,68 @@
+"""A tiny Llama-shaped model, its tokenizer and an arithmetic prompt set, built from code.
+
+Nothing is downloaded: tests, the demo and benchmarks build these locally and save them with
+``save_pretrained`` so they load through the same code path as any HF model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
+
+
+def arithmetic_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """Prompts like 'What is 3 + 5? Answer:' with the reference answer."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append({"prompt": f"What is {a} + {b}? Answer:", "answer": str(a + b)})
+    return rows
+
+
+def write_arithmetic_jsonl(path: str | Path, n: int, seed: int = 0) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_rows(n, seed)))
+    return path
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> Path:
+    """Train a small byte-level BPE tokenizer on arithmetic text and save it HF-style."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [r["prompt"] + " " + r["answer"] for r in arithmetic_rows(2000)]
+    corpus += ["The answer is 12. Let me think step by step: 7 + 5 = 12."] * 50
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    out = Path(out_dir)
+    fast.save_pretrained(out)
+    return out
+
+
+def build_model(out_dir: str | Path, vocab_size: int = 512, hidden: int = 128, layers: int = 2, seed: int = 0) -> Path:
+    """A randomly initialised Llama-shaped causal LM (about 0.4M parameters)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out

@@ -1,0 +1,353 @@
+"""Wire messages shared by every Flywheel service, and their msgpack codec.
+
+Every network message is a msgpack map with a ``type`` tag and a schema version ``sv``. Token
+ids, log-probabilities and versions travel as packed little-endian arrays (``bytes``), never as
+Python lists. ``decode`` validates structure (msgspec: types, required fields, unknown fields)
+and then semantics (``Message.check``); both kinds of failure raise ``WireError`` whose
+``field`` names the offending field and whose ``reason`` is a short, countable label.
+
+Nothing here is ever unpickled: msgspec builds only the structs named below.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+"""Bumped whenever a message changes incompatibly; peers with another value are rejected."""
+
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+VERSION_DTYPE = np.dtype("<i4")
+GROUP_ID_DTYPE = np.dtype("<i8")
+
+FINISH_REASONS = ("stop", "length", "abort")
+"""Why a sample ended: an EOS/stop string, ``max_tokens``, or the generator aborted it."""
+
+
+class WireError(ValueError):
+    """A message that failed validation. ``reason`` is a short label used for counters."""
+
+    def __init__(self, reason: str, field: str, detail: str) -> None:
+        super().__init__(f"{reason}: field `{field}`: {detail}")
+        self.reason = reason
+        self.field = field
+        self.detail = detail
+
+
+def pack_i32(values: object) -> bytes:
+    """Pack a sequence of ints as little-endian int32 (token ids, versions)."""
+    return np.asarray(values, dtype=TOKEN_DTYPE).tobytes()
+
+
+def pack_f32(values: object) -> bytes:
+    """Pack a sequence of floats as little-endian float32 (log-probabilities)."""
+    return np.asarray(values, dtype=LOGPROB_DTYPE).tobytes()
+
+
+def pack_i64(values: object) -> bytes:
+    return np.asarray(values, dtype=GROUP_ID_DTYPE).tobytes()
+
+
+def unpack_i32(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=TOKEN_DTYPE)
+
+
+def unpack_f32(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=LOGPROB_DTYPE)
+
+
+def unpack_i64(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=GROUP_ID_DTYPE)
+
+
+def _require(ok: bool, field: str, detail: str) -> None:
+    if not ok:
+        raise WireError("invalid_field", field, detail)
+
+
+def _check_packed(data: bytes, itemsize: int, field: str) -> int:
+    _require(len(data) % itemsize == 0, field, f"packed array of {len(data)} bytes is not a multiple of {itemsize}")
+    return len(data) // itemsize
+
+
+def _check_nonneg(value: int, field: str) -> None:
+    _require(value >= 0, field, f"must be >= 0, got {value}")
+
+
+class Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
+    """Base of every wire message. ``sv`` is the schema version of the sender."""
+
+    sv: int = SCHEMA_VERSION
+
+    max_items: ClassVar[int] = 1 << 20
+
+    def check(self) -> None:
+        """Semantic validation beyond types; raises WireError naming the field."""
+
+
+# --------------------------------------------------------------------------- generator → hub
+
+
+class Register(Message, tag=True):
+    """A generator announces itself (and again after it restarts or the hub restarts)."""
+
+    generator_id: str  # stable id; also the ZMQ routing identity of the generator's socket
+    model: str  # model path or name the generator serves
+    capacity: int  # how many leases (prompt groups) it runs at once
+    weight_version: int  # policy version of the weights it currently serves
+
+    def check(self) -> None:
+        _require(0 < len(self.generator_id) <= 128, "generator_id", "must be 1..128 characters")
+        _require(1 <= self.capacity <= 65536, "capacity", f"must be in 1..65536, got {self.capacity}")
+        _check_nonneg(self.weight_version, "weight_version")
+
+
+class Heartbeat(Message, tag=True):
+    """Liveness and the generator's view of its work; extends the deadlines of its leases."""
+
+    generator_id: str
+    weight_version: int  # version now served (changes after a weight sync)
+    lease_ids: list[int] = []  # leases still running on this generator
+
+    def check(self) -> None:
+        _require(0 < len(self.generator_id) <= 128, "generator_id", "must be 1..128 characters")
+        _check_nonneg(self.weight_version, "weight_version")
+        _require(len(self.lease_ids) <= 65536, "lease_ids", "too many lease ids")
+
+
+class Chunk(Message, tag=True):
+    """New tokens of one sample. Idempotent: the hub drops duplicates by (group, sample, seq)."""
+
+    lease_id: int  # the lease this work belongs to; chunks of unknown leases are rejected
+    group_id: int  # prompt group
+    sample: int  # sample index inside the group, 0..n-1
+    seq: int  # chunk sequence number inside the sample, from 0, contiguous
+    tokens: bytes  # packed int32 token ids
+    logprobs: bytes  # packed float32 behaviour log-probabilities, one per token
+    versions: bytes  # packed int32 policy version that produced each token
+    finish_reason: str | None = None  # set on the sample's last chunk only
+
+    def check(self) -> None:
+        _check_nonneg(self.lease_id, "lease_id")
+        _check_nonneg(self.group_id, "group_id")
+        _check_nonneg(self.sample, "sample")
+        _require(0 <= self.seq < 1 << 24, "seq", f"must be in 0..2^24, got {self.seq}")
+        n = _check_packed(self.tokens, 4, "tokens")
+        _require(_check_packed(self.logprobs, 4, "logprobs") == n, "logprobs", f"needs {n} entries, one per token")
+        _require(_check_packed(self.versions, 4, "versions") == n, "versions", f"needs {n} entries, one per token")
+        _require(n > 0 or self.finish_reason is not None, "tokens", "empty chunk that does not finish its sample")
+        if self.finish_reason is not None:
+            _require(self.finish_reason in FINISH_REASONS, "finish_reason", f"must be one of {FINISH_REASONS}")
+        if n:
+            # One vectorised pass per array; cheap next to the socket and Redis costs.
+            _require(bool(unpack_i32(self.tokens).min() >= 0), "tokens", "token ids must be >= 0")
+            _require(bool(unpack_i32(self.versions).min() >= 0), "versions", "versions must be >= 0")
+            lp = unpack_f32(self.logprobs)
+            # NaN fails both comparisons, so this also rejects NaN.
+            ok = bool(lp.max() <= 0.0) and bool(lp.min() > -np.inf)
+            _require(ok, "logprobs", "log-probabilities must be finite and <= 0")
+
+
+class ChunkBatch(Message, tag=True):
+    """Several chunks in one frame: a generator flushes every sample's new tokens at once."""
+
+    generator_id: str
+    chunks: list[Chunk]
+
+    def check(self) -> None:
+        _require(len(self.chunks) <= 65536, "chunks", "at most 65536 chunks per batch")
+        for i, chunk in enumerate(self.chunks):
+            try:
+                chunk.check()
+            except WireError as err:
+                raise WireError(err.reason, f"chunks[{i}].{err.field}", err.detail) from None
+
+
+# --------------------------------------------------------------------------- hub → generator
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Sampling settings a lease carries (a subset of vLLM's SamplingParams)."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+
+
+class Lease(Message, tag=True):
+    """Work for a generator: generate ``samples`` of one prompt group before ``deadline``."""
+
+    lease_id: int
+    group_id: int
+    prompt_tokens: bytes  # packed int32
+    samples: list[int]  # sample indices to generate (all of 0..n-1 unless re-issued)
+    sampling: SamplingParams
+    min_version: int  # the generator must serve weights >= this version (v - max_staleness)
+    deadline: float  # unix time; extended by chunks and heartbeats; past it the lease is re-issued
+
+    def check(self) -> None:
+        _check_nonneg(self.lease_id, "lease_id")
+        _check_nonneg(self.group_id, "group_id")
+        _require(_check_packed(self.prompt_tokens, 4, "prompt_tokens") > 0, "prompt_tokens", "empty prompt")
+        _require(len(self.samples) > 0, "samples", "a lease needs at least one sample")
+        _check_nonneg(self.min_version, "min_version")
+        _require(math.isfinite(self.deadline), "deadline", "must be a finite unix time")
+
+
+class ChunkRejection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    group_id: int
+    sample: int
+    seq: int
+    reason: str  # e.g. "unknown_lease": stop resending this chunk
+
+
+class ChunkAck(Message, tag=True):
+    """Chunks now durable in Redis (or duplicates of durable ones), plus chunks refused for good."""
+
+    group_ids: bytes  # packed int64
+    samples: bytes  # packed int32
+    seqs: bytes  # packed int32
+    rejected: list[ChunkRejection] = []
+
+    def check(self) -> None:
+        n = _check_packed(self.group_ids, 8, "group_ids")
+        _require(_check_packed(self.samples, 4, "samples") == n, "samples", f"needs {n} entries")
+        _require(_check_packed(self.seqs, 4, "seqs") == n, "seqs", f"needs {n} entries")
+
+
+class Revoke(Message, tag=True):
+    """The hub took a lease back (expired and re-issued): stop generating it."""
+
+    lease_ids: list[int]
+
+
+# --------------------------------------------------------------------------- hub ↔ reward service
+
+
+class RewardRegister(Message, tag=True):
+    """A reward worker announces itself and how many samples it scores at once."""
+
+    worker_id: str
+    capacity: int
+
+    def check(self) -> None:
+        _require(0 < len(self.worker_id) <= 128, "worker_id", "must be 1..128 characters")
+        _require(1 <= self.capacity <= 65536, "capacity", f"must be in 1..65536, got {self.capacity}")
+
+
+class ScoreRequest(Message, tag=True):
+    """A completed sample to score."""
+
+    group_id: int
+    sample: int
+    prompt_tokens: bytes  # packed int32
+    response_tokens: bytes  # packed int32
+    finish_reason: str
+    metadata: dict[str, str | int | float | bool | None] = {}  # dataset fields (e.g. the label)
+
+
+class Score(Message, tag=True):
+    """The reward of one sample. ``error`` set means scoring failed (reward is then ignored)."""
+
+    worker_id: str
+    group_id: int
+    sample: int
+    reward: float
+    breakdown: dict[str, float] = {}
+    error: str | None = None
+
+    def check(self) -> None:
+        _check_nonneg(self.group_id, "group_id")
+        _check_nonneg(self.sample, "sample")
+        _require(math.isfinite(self.reward), "reward", "must be finite")
+
+
+# --------------------------------------------------------------------------- learner → generators
+
+
+class BucketLayout(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One flat bucket of parameters: tensors are laid end to end in this order."""
+
+    names: list[str]
+    shapes: list[list[int]]
+    dtypes: list[str]
+    nbytes: int
+
+
+class WeightsReady(Message, tag=True):
+    """New weights are about to be broadcast; join the transfer before ``deadline``."""
+
+    version: int
+    buckets: list[BucketLayout]
+    transport: str  # "nccl" | "gloo" | "ipc"
+    deadline: float
+
+    def check(self) -> None:
+        _check_nonneg(self.version, "version")
+        for i, b in enumerate(self.buckets):
+            k = len(b.names)
+            _require(len(b.shapes) == k and len(b.dtypes) == k, f"buckets[{i}]", "names, shapes, dtypes differ in length")
+        _require(self.transport in ("nccl", "gloo", "ipc"), "transport", "must be nccl, gloo or ipc")
+
+
+class WeightsAck(Message, tag=True):
+    """A generator now serves ``version`` (or says why it could not load it)."""
+
+    generator_id: str
+    version: int
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------- codec
+
+ToHub = Register | Heartbeat | Chunk | ChunkBatch | RewardRegister | Score
+ToGenerator = Lease | ChunkAck | Revoke
+ToReward = ScoreRequest
+AnyMessage = ToHub | ToGenerator | ScoreRequest | WeightsReady | WeightsAck
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+class Decoder:
+    """Decodes and validates one family of messages (e.g. what the hub may receive)."""
+
+    def __init__(self, kind: object, max_bytes: int = 64 << 20) -> None:
+        self._decoder = msgspec.msgpack.Decoder(kind)
+        self.max_bytes = max_bytes
+
+    def decode(self, data: bytes) -> Message:
+        if len(data) > self.max_bytes:
+            raise WireError("oversized", "<frame>", f"{len(data)} bytes > limit {self.max_bytes}")
+        try:
+            msg = self._decoder.decode(data)
+        except msgspec.ValidationError as err:
+            raise WireError("malformed", _field_of(str(err)), str(err)) from None
+        except msgspec.DecodeError as err:
+            raise WireError("malformed", "<frame>", str(err)) from None
+        if msg.sv != SCHEMA_VERSION:
+            raise WireError("schema_version", "sv", f"peer speaks schema {msg.sv}, this build speaks {SCHEMA_VERSION}; run the same Flywheel version everywhere")
+        msg.check()
+        return msg
+
+
+def _field_of(error_text: str) -> str:
+    # msgspec says e.g. "Expected `int`, got `str` - at `$.chunks[0].seq`"
+    marker = "at `$"
+    at = error_text.rfind(marker)
+    if at >= 0:
+        return error_text[at + len(marker) :].rstrip("`").lstrip(".") or "<root>"
+    if "field `" in error_text:
+        return error_text.split("field `", 1)[1].split("`", 1)[0]
+    return "<root>"

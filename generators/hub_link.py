@@ -1,0 +1,135 @@
+"""A generator's connection to the hub: register, heartbeat, take leases, stream chunks.
+
+Chunks stay in ``unacked`` until the hub acknowledges them (after its Redis write) and are
+resent after ``resend_after_s``; the hub drops duplicates, so resending is always safe. This is
+what makes a hub restart lose nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from flywheel.wire import (
+    Chunk,
+    ChunkAck,
+    ChunkBatch,
+    Decoder,
+    Heartbeat,
+    Lease,
+    Register,
+    Revoke,
+    ToGenerator,
+    WireError,
+    encode,
+    unpack_i32,
+    unpack_i64,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Inbox:
+    leases: list[Lease] = field(default_factory=list)
+    revoked: list[int] = field(default_factory=list)
+    acked: int = 0
+    rejected: int = 0
+
+
+class HubLink:
+    def __init__(self, address: str, generator_id: str, model: str, capacity: int,
+                 resend_after_s: float = 2.0, heartbeat_s: float = 0.5, hwm: int = 10000) -> None:
+        self.generator_id = generator_id
+        self.model = model
+        self.capacity = capacity
+        self.resend_after_s = resend_after_s
+        self.heartbeat_s = heartbeat_s
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, generator_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
+        self.sock.connect(address)
+        self.decoder = Decoder(ToGenerator)
+        self.unacked: dict[tuple[int, int, int], tuple[Chunk, float]] = {}
+        self._last_heartbeat = 0.0
+        self.weight_version = 0
+        self.lease_ids: set[int] = set()
+
+    def register(self, weight_version: int) -> None:
+        self.weight_version = weight_version
+        self._send(encode(Register(generator_id=self.generator_id, model=self.model, capacity=self.capacity, weight_version=weight_version)))
+
+    def heartbeat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_heartbeat >= self.heartbeat_s:
+            self._last_heartbeat = now
+            self._send(encode(Heartbeat(generator_id=self.generator_id, weight_version=self.weight_version, lease_ids=sorted(self.lease_ids))))
+
+    def set_weight_version(self, version: int) -> None:
+        if version != self.weight_version:
+            self.weight_version = version
+            self.heartbeat(force=True)
+
+    def send_chunks(self, chunks: list[Chunk]) -> None:
+        if not chunks:
+            return
+        now = time.monotonic()
+        for c in chunks:
+            self.unacked[(c.group_id, c.sample, c.seq)] = (c, now)
+        self._send(encode(ChunkBatch(generator_id=self.generator_id, chunks=chunks)))
+
+    def resend_due(self) -> int:
+        """Resend every chunk unacknowledged for longer than ``resend_after_s``."""
+        now = time.monotonic()
+        due = [c for c, sent in self.unacked.values() if now - sent >= self.resend_after_s]
+        for i in range(0, len(due), 256):
+            self.send_chunks(due[i : i + 256])
+        return len(due)
+
+    def poll(self, timeout_ms: int) -> Inbox:
+        """Receive whatever the hub sent within ``timeout_ms`` (acks, leases, revocations)."""
+        inbox = Inbox()
+        if not self.sock.poll(timeout_ms, zmq.POLLIN):
+            return inbox
+        while True:
+            try:
+                payload = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return inbox
+            try:
+                msg = self.decoder.decode(payload)
+            except WireError as err:
+                log.warning("bad message from hub: %s", err)
+                continue
+            if isinstance(msg, ChunkAck):
+                for key in zip(unpack_i64(msg.group_ids).tolist(), unpack_i32(msg.samples).tolist(), unpack_i32(msg.seqs).tolist(), strict=True):
+                    if self.unacked.pop(key, None) is not None:
+                        inbox.acked += 1
+                for rej in msg.rejected:
+                    if self.unacked.pop((rej.group_id, rej.sample, rej.seq), None) is not None:
+                        inbox.rejected += 1
+                        log.debug("hub rejected chunk %s: %s", (rej.group_id, rej.sample, rej.seq), rej.reason)
+            elif isinstance(msg, Lease):
+                self.lease_ids.add(msg.lease_id)
+                inbox.leases.append(msg)
+            elif isinstance(msg, Revoke):
+                self.lease_ids.difference_update(msg.lease_ids)
+                inbox.revoked.extend(msg.lease_ids)
+
+    def lease_done(self, lease_id: int) -> None:
+        self.lease_ids.discard(lease_id)
+
+    def _send(self, payload: bytes) -> None:
+        try:
+            self.sock.send(payload, zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # at the high-water mark: unacked chunks are resent, heartbeats repeat
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
