@@ -31,7 +31,7 @@ from flywheel.store import (
     LeaseRecord,
     RunKeys,
     StoredScore,
-    chunk_field,
+    chunk_blob_field,
     pack,
     sample_field,
     score_field,
@@ -55,13 +55,15 @@ from flywheel.wire import (
     ToHub,
     WireError,
     encode,
+    encode_list,
     pack_i32,
     pack_i64,
 )
 
 log = logging.getLogger(__name__)
 
-TICK_S = 0.005  # housekeeping period: version refresh, expiry, dispatch
+TICK_S = 0.005  # housekeeping period: expiry, dispatch
+REFRESH_S = 0.05  # at most this long between reads of the learner's version / drops
 
 
 class Hub:
@@ -98,10 +100,11 @@ class Hub:
 
         # per-turn output, flushed after the Redis write
         self._pipe = client.pipeline(transaction=True)
-        # chunk writes of this turn, one HSET per group at flush; a sample that completes
-        # within the turn never writes its chunks, only the assembled sample
-        self._chunk_buf: dict[str, dict[bytes, bytes]] = defaultdict(dict)
-        self._acks: dict[bytes, list[tuple[int, int, int]]] = defaultdict(list)
+        # samples that accepted chunks this turn; at flush each writes them as one blob (one
+        # HSET per group). A sample that completes within the turn writes only the assembly.
+        self._dirty: list[tuple[int, int, SampleAssembly]] = []
+        # per peer: flat [group, sample, seq, group, sample, seq, ...] acknowledged this turn
+        self._acks: dict[bytes, list[int]] = defaultdict(list)
         self._rejections: dict[bytes, list[ChunkRejection]] = defaultdict(list)
         self._outbox: list[tuple[zmq.Socket, bytes, bytes]] = []
         self._turn_started = 0.0
@@ -115,6 +118,9 @@ class Hub:
             "metrics_port": None,
         }
         self._stopping = False
+        self._turn_items = 0
+        self._refreshed = 0.0
+        self._last_reap = 0.0
         self._rates = RateMeter()
         self._last_stats = time.monotonic()
 
@@ -161,17 +167,21 @@ class Hub:
         while not self._stopping and (deadline is None or time.monotonic() < deadline):
             ready = dict(poller.poll(timeout=int(TICK_S * 1000)))
             self._turn_started = time.monotonic()
+            self._turn_items = 0
+            if self.reward_sock in ready:  # scores first: small, and they make groups ready
+                self._drain(self.reward_sock)
             if self.gen_sock in ready:
                 self._drain(self.gen_sock)
-            if self.reward_sock in ready:
-                self._drain(self.reward_sock)
             if self._turn_started >= next_tick:
                 self._housekeeping()
                 next_tick = self._turn_started + TICK_S
+            self._dispatch_leases()
+            self._dispatch_scores(self._turn_started)
             self._flush()
 
     def _drain(self, sock: zmq.Socket) -> None:
-        for _ in range(self.hcfg.max_ingest_batch):
+        while self._turn_items < self.hcfg.max_turn_items:
+            self._turn_items += 1
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
@@ -190,10 +200,10 @@ class Hub:
     def _handle(self, sock: zmq.Socket, identity: bytes, msg: Message) -> None:
         from_generator = sock is self.gen_sock
         if isinstance(msg, ChunkBatch) and from_generator:
-            for chunk in msg.chunks:
-                self._on_chunk(identity, chunk)
+            self._turn_items += len(msg.chunks)
+            self._on_chunks(identity, msg.chunks)
         elif isinstance(msg, Chunk) and from_generator:
-            self._on_chunk(identity, msg)
+            self._on_chunks(identity, [msg])
         elif isinstance(msg, Heartbeat) and from_generator:
             self._on_heartbeat(identity, msg)
         elif isinstance(msg, Register) and from_generator:
@@ -207,17 +217,19 @@ class Hub:
 
     def _flush(self) -> None:
         """Make this turn durable, then tell peers: acks only ever follow the Redis write."""
-        for gkey, fields in self._chunk_buf.items():
-            if fields:
-                self._pipe.hset(gkey, mapping=fields)  # type: ignore[arg-type]
-        self._chunk_buf.clear()
+        self._write_chunk_blobs()
         if len(self._pipe):
-            self._pipe.execute()
+            # The learner's version and drop count ride along with the turn's write.
+            self._pipe.get(self.keys.version)
+            self._pipe.hget(self.keys.counters, "groups_dropped")
+            *_, version, dropped = self._pipe.execute()
+            self.learner_version, self.groups_dropped = int(version or 0), int(dropped or 0)
+            self._refreshed = self._turn_started
             elapsed = time.monotonic() - self._turn_started
             if self._acks:
                 self.stats.note_durable(elapsed)
         for identity, acked in self._acks.items():
-            arr = np.asarray(acked, dtype=np.int64)
+            arr = np.array(acked, dtype=np.int64).reshape(-1, 3)
             msg = ChunkAck(group_ids=pack_i64(arr[:, 0]), samples=pack_i32(arr[:, 1]), seqs=pack_i32(arr[:, 2]),
                            rejected=self._rejections.pop(identity, []))
             self._send(self.gen_sock, identity, msg)
@@ -228,6 +240,18 @@ class Hub:
         for sock, identity, payload in self._outbox:
             self._send_raw(sock, identity, payload)
         self._outbox.clear()
+
+    def _write_chunk_blobs(self) -> None:
+        by_group: dict[int, dict[bytes, bytes]] = defaultdict(dict)
+        for gid, index, sample in self._dirty:
+            if sample.pending:
+                name = chunk_blob_field(index, sample.pending[0].seq)
+                by_group[gid][name] = encode_list(sample.pending)
+                sample.blobs.append(name)
+                sample.pending = []
+        self._dirty.clear()
+        for gid, fields in by_group.items():
+            self._pipe.hset(self.keys.group(gid), mapping=fields)  # type: ignore[arg-type]
 
     def _send(self, sock: zmq.Socket, identity: bytes, msg: Message) -> None:
         self._send_raw(sock, identity, encode(msg))
@@ -274,40 +298,59 @@ class Hub:
             if lease is not None and lease.record.generator_id == msg.generator_id:
                 lease.record.deadline = time.time() + self.hcfg.lease_timeout_s
 
-    def _on_chunk(self, identity: bytes, c: Chunk) -> None:
-        key = (c.group_id, c.sample, c.seq)
-        lease = self.leases.get(c.lease_id)
-        if lease is None or lease.record.group_id != c.group_id or c.sample not in lease.record.samples:
-            self._reject_chunk(identity, c, "unknown_lease")
-            return
-        sample = self.groups[c.group_id].samples[c.sample]
-        if sample.done is not None or c.seq in sample.chunks:
-            self.stats.duplicates += 1
-            self._acks[identity].append(key)  # already durable: ack again, the first ack was lost
-            return
-        if sample.lease_id != c.lease_id:
-            self._reject_chunk(identity, c, "stale_lease")
-            return
+    def _on_chunks(self, identity: bytes, chunks: list[Chunk]) -> None:
+        """Accept new chunks into the turn's write buffer; ack duplicates; reject strays.
+
+        The hot path of the hub: locals and one pass, no per-chunk Redis call.
+        """
+        acks = self._acks[identity]
+        leases, groups, dirty = self.leases, self.groups, self._dirty
+        deadline = time.time() + self.hcfg.lease_timeout_s
+        stats = self.stats
+        for c in chunks:
+            lease = leases.get(c.lease_id)
+            if lease is None or lease.record.group_id != c.group_id or c.sample not in lease.record.samples:
+                self._reject_chunk(identity, c, "unknown_lease")
+                continue
+            group = groups[c.group_id]
+            sample = group.samples[c.sample]
+            seq = c.seq
+            if sample.done is not None or seq in sample.chunks:
+                stats.duplicates += 1
+                acks += (c.group_id, c.sample, seq)  # already durable: the first ack was lost
+                continue
+            if sample.lease_id != c.lease_id:
+                self._reject_chunk(identity, c, "stale_lease")
+                continue
+            if c.finish_reason is not None or sample.final_seq is not None:
+                reason = self._final_chunk_conflict(sample, c)
+                if reason:
+                    self._reject_chunk(identity, c, reason)
+                    continue
+            sample.chunks[seq] = c
+            if not sample.pending:
+                dirty.append((c.group_id, c.sample, sample))
+            sample.pending.append(c)
+            acks += (c.group_id, c.sample, seq)
+            stats.chunks_in += 1
+            stats.tokens_in += len(c.tokens) >> 2
+            lease.record.deadline = deadline
+            if group.state is GroupState.ISSUED:
+                group.move(GroupState.GENERATING)
+            if c.finish_reason is not None:
+                sample.final_seq = seq
+            if sample.final_seq is not None and sample.is_complete():
+                self._complete_sample(group, c.sample, lease)
+
+    @staticmethod
+    def _final_chunk_conflict(sample: SampleAssembly, c: Chunk) -> str | None:
         if c.finish_reason is not None and sample.final_seq is not None:
-            self._reject_chunk(identity, c, "second_final_chunk")
-            return
-        if (sample.final_seq is not None and c.seq > sample.final_seq) or (c.finish_reason is not None and any(s > c.seq for s in sample.chunks)):
-            self._reject_chunk(identity, c, "seq_after_final")
-            return
-        sample.chunks[c.seq] = c
-        if c.finish_reason is not None:
-            sample.final_seq = c.seq
-        group = self.groups[c.group_id]
-        gkey = self.keys.group(c.group_id)
-        self._chunk_buf[gkey][chunk_field(c.sample, c.seq)] = encode(c)
-        self._acks[identity].append(key)
-        self.stats.chunks_in += 1
-        self.stats.tokens_in += len(c.tokens) >> 2
-        lease.record.deadline = time.time() + self.hcfg.lease_timeout_s
-        if group.state is GroupState.ISSUED:
-            group.move(GroupState.GENERATING)
-        if sample.is_complete():
-            self._complete_sample(group, c.sample, lease)
+            return "second_final_chunk"
+        if sample.final_seq is not None and c.seq > sample.final_seq:
+            return "seq_after_final"
+        if c.finish_reason is not None and any(s > c.seq for s in sample.chunks):
+            return "seq_after_final"
+        return None
 
     def _reject_chunk(self, identity: bytes, c: Chunk, reason: str) -> None:
         self.rejects.reject(reason, f"chunk (group {c.group_id}, sample {c.sample}, seq {c.seq}, lease {c.lease_id})", identity)
@@ -315,11 +358,10 @@ class Hub:
 
     def _complete_sample(self, group: OpenGroup, index: int, lease: ActiveLease) -> None:
         sample = group.samples[index]
-        seqs = sorted(sample.chunks)
         stored = sample.assemble()
         gkey = self.keys.group(group.meta.group_id)
         self._pipe.hset(gkey, sample_field(index), pack(stored))
-        self._delete_chunks(gkey, index, seqs)
+        self._delete_blobs(gkey, sample.take_blobs())
         self.stats.samples_completed += 1
         self.score_queue.append((group.meta.group_id, index))
         if all(group.samples[s].done is not None for s in lease.record.samples):
@@ -327,12 +369,9 @@ class Hub:
         if group.all_done():
             group.move(GroupState.COMPLETE)
 
-    def _delete_chunks(self, gkey: str, sample: int, seqs: list[int]) -> None:
-        """Forget chunks: unwritten ones leave the buffer, written ones are deleted in Redis."""
-        buffered = self._chunk_buf.get(gkey, {})
-        written = [f for f in (chunk_field(sample, q) for q in seqs) if buffered.pop(f, None) is None]
-        if written:
-            self._pipe.hdel(gkey, *written)
+    def _delete_blobs(self, gkey: str, fields: list[bytes]) -> None:
+        if fields:
+            self._pipe.hdel(gkey, *fields)
 
     def _finish_lease(self, lease: ActiveLease) -> None:
         del self.leases[lease.lease_id]
@@ -379,7 +418,7 @@ class Hub:
         del self.groups[gid]
         self.stats.groups_ready += 1
 
-    def _dispatch_scores(self, now: float) -> None:
+    def _expire_scores(self, now: float) -> None:
         for identity, worker in list(self.reward_workers.items()):
             if now - worker.last_seen > self.hcfg.generator_timeout_s:
                 log.warning("reward worker %r silent for %.1fs: dropped, %d samples re-queued", identity, now - worker.last_seen, len(worker.inflight))
@@ -395,6 +434,8 @@ class Hub:
                     worker.inflight.discard(key)
                 self.score_queue.appendleft(key)
                 self.stats.score_resends += 1
+
+    def _dispatch_scores(self, now: float) -> None:
         for worker in self.reward_workers.values():
             while self.score_queue and len(worker.inflight) < worker.capacity:
                 gid, index = self.score_queue.popleft()
@@ -413,11 +454,13 @@ class Hub:
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
-        self._refresh_learner_state()
-        self._reap_dropped()
+        if now - self._refreshed > REFRESH_S:  # idle turns: no write carried the refresh
+            self._refresh_learner_state()
+        if now - self._last_reap > REFRESH_S:
+            self._last_reap = now
+            self._reap_dropped()
         self._expire(now)
-        self._dispatch_leases()
-        self._dispatch_scores(now)
+        self._expire_scores(now)
         if now - self._last_stats >= self.hcfg.stats_interval_s:
             self._last_stats = now
             self._log_stats()
@@ -474,7 +517,7 @@ class Hub:
         new = self._new_lease(group.meta.group_id, unfinished)
         gkey = self.keys.group(group.meta.group_id)
         for s in unfinished:
-            self._delete_chunks(gkey, s, group.samples[s].restart(new.lease_id))
+            self._delete_blobs(gkey, group.samples[s].restart(new.lease_id))
         self.unassigned.append(new.lease_id)
         self.stats.leases_reissued += 1
         self._pipe.hincrby(self.keys.counters, "leases_reissued", 1)
@@ -576,10 +619,14 @@ class Hub:
         c, g = snap["counters"], snap["gauges"]
         assert isinstance(c, dict) and isinstance(g, dict)
         rates = self._rates.rates({"tokens": c["tokens_in"], "chunks": c["chunks_in"]})
-        log.info("v%d | %.0f tok/s %.0f chunks/s | open %d ready %s leases %d | issued %d dropped %d reissued %d | staleness %s | rejected %s",
-                 g["learner_version"], rates["tokens"], rates["chunks"], g["open_groups"], g.get("ready_groups"),
+        hist = snap["staleness"]
+        assert isinstance(hist, dict)
+        served = sum(hist.values())
+        mean_staleness = sum(k * n for k, n in hist.items()) / served if served else 0.0
+        log.info("v%d | %.0f tok/s %.0f chunks/s | open %d (scoring %d) ready %s leases %d | issued %d dropped %d reissued %d | served %d, staleness mean %.2f max %s | rejected %s",
+                 g["learner_version"], rates["tokens"], rates["chunks"], g["open_groups"], g["scores_pending"], g.get("ready_groups"),
                  g["active_leases"], c["groups_issued"], c["groups_dropped"], c["leases_reissued"],
-                 snap["staleness"], snap["rejected"] or "{}")
+                 served, mean_staleness, max(hist, default=None), snap["rejected"] or "{}")
 
 
 def _port_of(sock: zmq.Socket) -> int:

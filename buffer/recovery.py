@@ -13,7 +13,7 @@ import time
 from buffer.hub import Hub
 from buffer.state import ActiveLease, GeneratorInfo, OpenGroup, SampleAssembly
 from flywheel.staleness import GroupState
-from flywheel.store import META, GeneratorRecord, GroupMeta, LeaseRecord, StoredSample, StoredScore, unpack, unpack_chunk
+from flywheel.store import META, GeneratorRecord, GroupMeta, LeaseRecord, StoredSample, StoredScore, unpack, unpack_chunks
 from flywheel.wire import unpack_i32
 
 log = logging.getLogger(__name__)
@@ -88,11 +88,12 @@ def _load_group(hub: Hub, gid: int) -> OpenGroup | None:
         elif kind == b"r":
             samples[int(rest)].score = unpack(StoredScore, value)
     for field, value in raw.items():
-        if field.startswith(b"c:"):
-            chunk = unpack_chunk(value)
-            sample = samples[chunk.sample]
-            if sample.done is not None:
-                continue  # leftover of a completed sample
+        if not field.startswith(b"c:"):
+            continue
+        sample = samples[int(field.split(b":")[1])]
+        assert sample.done is None, f"group {gid}: chunks left beside a completed sample"
+        sample.blobs.append(field)
+        for chunk in unpack_chunks(value):
             sample.lease_id = chunk.lease_id
             sample.chunks[chunk.seq] = chunk
             if chunk.finish_reason is not None:

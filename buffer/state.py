@@ -15,6 +15,8 @@ class SampleAssembly:
 
     lease_id: int
     chunks: dict[int, Chunk] = field(default_factory=dict)
+    pending: list[Chunk] = field(default_factory=list)  # accepted this turn, not yet in Redis
+    blobs: list[bytes] = field(default_factory=list)  # Redis fields holding its earlier chunks
     final_seq: int | None = None
     done: StoredSample | None = None  # set once every chunk up to the final one is in
     version: int = -1  # oldest token version, once done
@@ -39,14 +41,18 @@ class SampleAssembly:
         )
         v = unpack_i32(versions)
         self.version = int(v.min()) if len(v) else 0
-        self.chunks = {}
+        self.chunks, self.pending = {}, []
         return self.done
 
-    def restart(self, lease_id: int) -> list[int]:
-        """Drop partial chunks (re-issued to a new lease); return the seqs that were dropped."""
-        dropped = sorted(self.chunks)
+    def take_blobs(self) -> list[bytes]:
+        """Forget the stored chunks (now assembled or abandoned); return their Redis fields."""
+        blobs, self.blobs, self.pending = self.blobs, [], []
+        return blobs
+
+    def restart(self, lease_id: int) -> list[bytes]:
+        """Drop partial chunks (re-issued to a new lease); return the Redis fields to delete."""
         self.lease_id, self.chunks, self.final_seq = lease_id, {}, None
-        return dropped
+        return self.take_blobs()
 
 
 @dataclass

@@ -90,7 +90,7 @@ class HubConfig(_Section):
     max_message_bytes: int = Field(64 << 20, ge=1024, description="Frames larger than this are rejected (counted as 'oversized').")
     sndhwm: int = Field(10000, ge=0, description="ZMQ send high-water mark (messages).")
     rcvhwm: int = Field(10000, ge=0, description="ZMQ receive high-water mark (messages).")
-    max_ingest_batch: int = Field(512, ge=1, le=1 << 16, description="Frames drained per loop turn before one pipelined Redis write.")
+    max_turn_items: int = Field(4096, ge=1, le=1 << 20, description="Chunks (or other messages) taken per loop turn before its one MULTI/EXEC write: bounds ack latency.")
     stats_interval_s: float = Field(10.0, gt=0, description="How often the hub logs a stats line.")
     reject_log_interval_s: float = Field(10.0, gt=0, description="Rejected messages are logged at most once per reason per interval.")
     state_file: str | None = Field(None, description="Write the bound ports here as JSON once listening (for launchers and tests).")
@@ -102,7 +102,7 @@ class RewardConfig(_Section):
     function: Literal["exact_match", "length"] = Field("exact_match", description="Reward function: exact_match (response text contains metadata 'answer') or length (tokens / max_tokens).")
     tokenizer: str | None = Field(None, description="HF tokenizer for decoding responses; defaults to data.tokenizer.")
     hub_address: str = Field("tcp://127.0.0.1:5556", description="Hub reward ROUTER address the workers connect to.")
-    capacity: int = Field(64, ge=1, le=65536, description="Samples a worker scores concurrently (its credit at the hub).")
+    capacity: int = Field(256, ge=1, le=65536, description="Samples in flight to one worker (its credit at the hub); enough to cover a round trip at full rate.")
 
 
 class FlywheelConfig(_Section):

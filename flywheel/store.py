@@ -15,7 +15,8 @@ Shared by the hub (the writer) and the learner's batch client (the consumer). La
     fw:{R}:source         hash: epoch, cursor (prompt source position)
     fw:{R}:requeue        list: prompt indices to issue again before the cursor advances
     fw:R:g:{R:<gid>}      hash: everything of one group (one key, so one hash slot):
-                            meta -> GroupMeta, c:<sample>:<seq> -> Chunk, s:<sample> -> StoredSample,
+                            meta -> GroupMeta, c:<sample>:<seq> -> [Chunk, ...] (chunks of one
+                            sample accepted in one hub turn), s:<sample> -> StoredSample,
                             r:<sample> -> StoredScore
 
 Run-level keys share the hash tag ``{R}`` so the claim script touches one slot; each group's
@@ -62,8 +63,13 @@ class RunKeys:
 META = b"meta"
 
 
-def chunk_field(sample: int, seq: int) -> bytes:
-    return b"c:%d:%d" % (sample, seq)
+def chunk_blob_field(sample: int, first_seq: int) -> bytes:
+    """One field per (sample, hub turn): the chunks of that sample accepted in that turn.
+
+    Named by the sequence number of its first chunk, which no other blob of the sample holds
+    (each chunk is stored once), so names never collide.
+    """
+    return b"c:%d:%d" % (sample, first_seq)
 
 
 def sample_field(sample: int) -> bytes:
@@ -136,8 +142,11 @@ def unpack(kind: type[T], data: bytes) -> T:
     return dec.decode(data)  # type: ignore[no-any-return]
 
 
-def unpack_chunk(data: bytes) -> Chunk:
-    return unpack(Chunk, data)
+_chunk_list = msgspec.msgpack.Decoder(list[Chunk])
+
+
+def unpack_chunks(data: bytes) -> list[Chunk]:
+    return _chunk_list.decode(data)  # type: ignore[no-any-return]
 
 
 # Atomically: drop every ready group older than v - η, then pop the n oldest remaining ready

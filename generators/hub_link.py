@@ -42,11 +42,13 @@ class Inbox:
 
 class HubLink:
     def __init__(self, address: str, generator_id: str, model: str, capacity: int,
-                 resend_after_s: float = 2.0, heartbeat_s: float = 0.5, hwm: int = 10000) -> None:
+                 resend_after_s: float = 2.0, heartbeat_s: float = 0.5, hwm: int = 10000,
+                 max_unacked: int = 8192) -> None:
         self.generator_id = generator_id
         self.model = model
         self.capacity = capacity
         self.resend_after_s = resend_after_s
+        self.max_unacked = max_unacked
         self.heartbeat_s = heartbeat_s
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -58,6 +60,7 @@ class HubLink:
         self.decoder = Decoder(ToGenerator)
         self.unacked: dict[tuple[int, int, int], tuple[Chunk, float]] = {}
         self._last_heartbeat = 0.0
+        self._last_resend_check = 0.0
         self.weight_version = 0
         self.lease_ids: set[int] = set()
 
@@ -76,6 +79,11 @@ class HubLink:
             self.weight_version = version
             self.heartbeat(force=True)
 
+    def window_full(self) -> bool:
+        """Flow control: stop producing while this many chunks await their ack, so a slow hub
+        slows its generators instead of growing queues (and latency) without bound."""
+        return len(self.unacked) >= self.max_unacked
+
     def send_chunks(self, chunks: list[Chunk]) -> None:
         if not chunks:
             return
@@ -87,7 +95,16 @@ class HubLink:
     def resend_due(self) -> int:
         """Resend every chunk unacknowledged for longer than ``resend_after_s``."""
         now = time.monotonic()
-        due = [c for c, sent in self.unacked.values() if now - sent >= self.resend_after_s]
+        if now - self._last_resend_check < min(0.1, self.resend_after_s):
+            return 0
+        self._last_resend_check = now
+        due = []
+        for c, sent in self.unacked.values():  # insertion order is send order: oldest first
+            if now - sent < self.resend_after_s:
+                break
+            due.append(c)
+        for c in due:  # re-inserted at the end by send_chunks, keeping the order
+            del self.unacked[(c.group_id, c.sample, c.seq)]
         for i in range(0, len(due), 256):
             self.send_chunks(due[i : i + 256])
         return len(due)

@@ -64,12 +64,13 @@ class SimulatedGenerator:
         self.link.register(self._read_version())
         start = time.monotonic()
         while not self._stop and (max_seconds is None or time.monotonic() - start < max_seconds):
-            inbox = self.link.poll(0 if self.active else 20)
+            busy = self.active and not self.link.window_full()
+            inbox = self.link.poll(0 if busy else 5)
             for lease in inbox.leases:
                 self._start(lease)
             for lease_id in inbox.revoked:
                 self._drop(lease_id)
-            if self.active:
+            if self.active and not self.link.window_full():
                 self._step()
             self.link.resend_due()
             self._follow_version()
