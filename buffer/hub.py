@@ -315,12 +315,15 @@ class Hub:
             group = groups[c.group_id]
             sample = group.samples[c.sample]
             seq = c.seq
-            if sample.done is not None or seq in sample.chunks:
+            if seq in sample.chunks or (sample.done is not None and seq <= (sample.final_seq or 0)):
                 stats.duplicates += 1
                 acks += (c.group_id, c.sample, seq)  # already durable: the first ack was lost
                 continue
             if sample.lease_id != c.lease_id:
                 self._reject_chunk(identity, c, "stale_lease")
+                continue
+            if sample.done is not None:
+                self._reject_chunk(identity, c, "seq_after_final")
                 continue
             if c.finish_reason is not None or sample.final_seq is not None:
                 reason = self._final_chunk_conflict(sample, c)

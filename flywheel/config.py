@@ -223,7 +223,8 @@ def reference(model: type[BaseModel] = FlywheelConfig, prefix: str = "") -> list
             continue
         default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
         type_name = str(ann).replace("typing.", "") if not isinstance(ann, type) else ann.__name__
-        bounds = [f"{m.__class__.__name__.lower()} {next(iter(vars(m).values()))}" for m in field.metadata if vars(m)]
+        bounds = [f"{sym} {getattr(m, attr)}" for m in field.metadata
+                  for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if hasattr(m, attr)]
         desc = field.description or ""
         if bounds:
             desc += f" [{', '.join(bounds)}]"

@@ -361,8 +361,9 @@ class Decoder:
             msg = self._decoder.decode(data)
         except msgspec.ValidationError as err:
             raise WireError("malformed", _field_of(str(err)), str(err)) from None
-        except msgspec.DecodeError as err:
-            raise WireError("malformed", "<frame>", str(err)) from None
+        except (msgspec.DecodeError, UnicodeDecodeError, ValueError, OverflowError, RecursionError) as err:
+            # msgspec raises UnicodeDecodeError for invalid UTF-8 in a str field (seen by fuzzing)
+            raise WireError("malformed", "<frame>", f"{type(err).__name__}: {err}") from None
         if msg.sv != SCHEMA_VERSION:
             raise WireError("schema_version", "sv", f"peer speaks schema {msg.sv}, this build speaks {SCHEMA_VERSION}; run the same Flywheel version everywhere")
         msg.check()

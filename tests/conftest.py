@@ -1,0 +1,126 @@
+"""Shared fixtures: a real redis-server per test, the hub and its peers as real processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flywheel.procs import Service, wait_for_state_file
+from flywheel.redis_server import RedisServer
+from flywheel.tiny import build_tokenizer, write_arithmetic_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def prompts_jsonl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_arithmetic_jsonl(tmp_path_factory.mktemp("data") / "prompts.jsonl", 64)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis")
+    yield server
+    server.stop()
+
+
+class Cluster:
+    """The hub and its peers for one test; stops only the processes it started."""
+
+    def __init__(self, tmp: Path, redis_server: RedisServer, tokenizer: Path, prompts: Path) -> None:
+        self.tmp = tmp
+        self.redis = redis_server
+        self.base = ["--redis.url", redis_server.url, "--data.path", str(prompts), "--data.tokenizer", str(tokenizer),
+                     "--hub.host", "127.0.0.1", "--hub.metrics_port", "0", "--hub.stats_interval_s", "1"]
+        self.services: list[Service] = []
+        self.ports: dict[str, int] = {}
+        self.hub: Service | None = None
+        self._hub_args: list[str] = []
+        self._n = 0
+
+    def _name(self, prefix: str) -> str:
+        self._n += 1
+        return f"{prefix}{self._n}"
+
+    def start_hub(self, *overrides: str, ports: dict[str, int] | None = None) -> dict[str, int]:
+        """Start (or restart, on the same ports) the hub; return its ports."""
+        state = self.tmp / f"{self._name('hub')}.json"
+        ports = ports or {"generator_port": 0, "reward_port": 0}
+        self._hub_args = list(overrides)
+        args = [*self.base, "--hub.generator_port", str(ports["generator_port"]), "--hub.reward_port", str(ports["reward_port"]),
+                "--hub.state_file", str(state), *overrides]
+        self.hub = Service(state.stem, "buffer", args, self.tmp, env={"PYTHONPATH": str(ROOT)})
+        self.services.append(self.hub)
+        self.ports = wait_for_state_file(state, self.hub, timeout_s=90)
+        return self.ports
+
+    @property
+    def gen_address(self) -> str:
+        return f"tcp://127.0.0.1:{self.ports['generator_port']}"
+
+    @property
+    def reward_address(self) -> str:
+        return f"tcp://127.0.0.1:{self.ports['reward_port']}"
+
+    def start_simgen(self, gen_id: str, *args: str, run: str = "flywheel") -> Service:
+        svc = Service(self._name(f"simgen-{gen_id}-"), "generators.simulated",
+                      ["--hub", self.gen_address, "--id", gen_id, "--follow-redis", self.redis.url, "--run", run, *args],
+                      self.tmp, env={"PYTHONPATH": str(ROOT)})
+        self.services.append(svc)
+        return svc
+
+    def start_reward(self, *overrides: str) -> Service:
+        svc = Service(self._name("reward"), "reward_service",
+                      [*self.base, "--reward.function", "length", *self._hub_args, *overrides, "--reward.hub_address", self.reward_address],
+                      self.tmp, env={"PYTHONPATH": str(ROOT)})
+        self.services.append(svc)
+        return svc
+
+    def stop(self) -> None:
+        for svc in reversed(self.services):
+            svc.stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {s.name}\n{s.tail(40)}" for s in self.services)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    rep = yield
+    setattr(item, f"rep_{rep.when}", rep)
+    return rep
+
+
+@pytest.fixture
+def cluster(request: pytest.FixtureRequest, tmp_path: Path, redis_server: RedisServer, tokenizer_dir: Path, prompts_jsonl: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path, redis_server, tokenizer_dir, prompts_jsonl)
+    yield c
+    c.stop()
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        print(c.logs(), file=sys.stderr)
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.05):  # type: ignore[no-untyped-def]
+    """Poll ``predicate`` until truthy; fail with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(poll_s)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

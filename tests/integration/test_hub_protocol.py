@@ -1,0 +1,181 @@
+"""The hub against real sockets and a real Redis: garbage, leases, duplicates, ordering."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+import msgspec
+import zmq
+
+from flywheel.hub_client import BatchClient
+from flywheel.staleness import StalenessPolicy
+from flywheel.store import RunKeys
+from flywheel.wire import Score, encode, pack_f32
+from tests.conftest import Cluster, wait_until
+from tests.integration.handgen import HandGenerator, expected_sample, make_chunk
+
+
+def pump_until(gen: HandGenerator, predicate, what: str, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    def step() -> bool:
+        gen.pump(0.05)
+        return bool(predicate())
+
+    wait_until(step, timeout_s, what, poll_s=0)
+
+
+def metrics(cluster: Cluster) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{cluster.ports['metrics_port']}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in body.splitlines():
+        m = re.match(r"^(flywheel_hub_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def rejected(cluster: Cluster, reason: str) -> float:
+    return metrics(cluster).get(f'flywheel_hub_rejected_total{{reason="{reason}"}}', 0.0)
+
+
+def test_garbage_is_counted_and_the_hub_keeps_serving(cluster: Cluster) -> None:
+    cluster.start_hub("--hub.max_message_bytes", "65536", "--async.groups_per_step", "2", "--data.n_samples_per_prompt", "2",
+                      "--hub.reject_log_interval_s", "60")
+    # A well-behaved generator first: what it gets acknowledged must survive the garbage.
+    good = HandGenerator(cluster.gen_address, "good")
+    good.register()
+    lease = good.wait_lease()
+    good.send(make_chunk(lease, 0, 0, version=0, final=True))
+    pump_until(good, lambda: good.acked == 1, "ack of the good chunk")
+
+    ctx = zmq.Context.instance()
+    evil = ctx.socket(zmq.DEALER)
+    evil.setsockopt(zmq.LINGER, 0)
+    evil.connect(cluster.gen_address)
+    for _ in range(50):
+        evil.send(b"\x93\x01\x02")  # msgpack array, not a map
+    evil.send(b"\xff" * 10)
+    evil.send(msgspec.msgpack.encode({"type": "Chunk", "sv": 1, "lease_id": "x"}))
+    evil.send(b"\x00" * 100_000)  # oversized
+    evil.send_multipart([b"a", b"b"])  # three frames at the ROUTER
+    evil.send(encode(make_chunk(lease, 1, 0, version=0, final=False, group=lease.group_id + 1000)))  # unknown lease
+    positive_logprobs = msgspec.structs.replace(make_chunk(lease, 1, 0, version=0, final=False), logprobs=pack_f32([1, 1, 1, 1]))
+    evil.send(encode(positive_logprobs))
+    evil.send(encode(Score(worker_id="x", group_id=0, sample=0, reward=1.0)))  # a Score on the generator port
+
+    wait_until(lambda: rejected(cluster, "oversized") >= 1 and rejected(cluster, "unknown_lease") >= 1, 10, "rejections counted")
+    assert rejected(cluster, "malformed") >= 52
+    assert rejected(cluster, "invalid_field") >= 1
+    assert rejected(cluster, "wrong_socket") >= 1
+    assert cluster.hub is not None and cluster.hub.alive()
+    # logged once per reason per interval, not once per message
+    log = cluster.hub.log_path.read_text()
+    assert len(re.findall(r"rejected malformed", log)) <= 2, log
+
+    # The hub still works: finish the group, score it, serve it; the early chunk is intact.
+    good.send(make_chunk(lease, 1, 0, version=0, final=True))
+    cluster.start_reward()
+    client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(1, 2))
+    wait_until(lambda: client.redis.zcard(client.keys.ready) >= 1, 20, "group ready")
+    pairs, _ = client.try_claim(1, 0)
+    group = client._load(pairs, 0)[0]
+    assert [s.tokens.tolist() for s in group.samples] == [expected_sample(lease.group_id, s, 1) for s in range(2)]
+    good.close()
+    evil.close()
+
+
+def test_dead_generator_lease_is_reissued_for_unfinished_samples(cluster: Cluster) -> None:
+    cluster.start_hub("--hub.generator_timeout_s", "1.5", "--data.n_samples_per_prompt", "2",
+                      "--async.groups_per_step", "1", "--async.max_staleness", "0")
+    a = HandGenerator(cluster.gen_address, "gen-a")
+    a.register()
+    lease = a.wait_lease()
+    assert lease.samples == [0, 1] and lease.min_version == 0
+    a.send(make_chunk(lease, 0, 0, 0, final=True), make_chunk(lease, 1, 0, 0, final=False))
+    pump_until(a, lambda: a.acked == 2, "acks for gen-a")
+
+    b = HandGenerator(cluster.gen_address, "gen-b")
+    b.register()
+    b.pump(0.5)
+    assert not b.leases, "η = 0 admits one step of groups: nothing more to lease yet"
+    # gen-a goes silent; after generator_timeout_s its unfinished sample is re-issued to gen-b
+    re_lease = b.wait_lease(timeout_s=10)
+    assert re_lease.group_id == lease.group_id and re_lease.samples == [1] and re_lease.lease_id != lease.lease_id
+    # gen-a comes back too late: its chunk for the old lease is refused, not merged
+    a.send(make_chunk(lease, 1, 1, 0, final=True))
+    pump_until(a, lambda: a.rejected == 1, "rejection of the stale lease's chunk")
+
+    b.send(make_chunk(re_lease, 1, 0, 0, final=False), make_chunk(re_lease, 1, 1, 0, final=True))
+    cluster.start_reward()
+    client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(0, 1))
+    pump_until(b, lambda: client.redis.zcard(client.keys.ready) >= 1, "group ready")
+    batch = client.claim(1, 0, timeout_s=5)
+    tokens = [s.tokens.tolist() for s in batch.groups[0].samples]
+    assert tokens == [expected_sample(lease.group_id, 0, 1), expected_sample(lease.group_id, 1, 2)]
+    assert client.counters()["leases_reissued"] == 1
+    a.close()
+    b.close()
+
+
+def test_lease_past_its_deadline_is_revoked_and_reissued(cluster: Cluster) -> None:
+    cluster.start_hub("--hub.lease_timeout_s", "1.0", "--data.n_samples_per_prompt", "1", "--async.groups_per_step", "1",
+                      "--async.max_staleness", "0")
+    g = HandGenerator(cluster.gen_address, "slow")
+    g.register()
+    lease = g.wait_lease()
+    g.link.lease_ids.clear()  # alive (heartbeats) but no longer reporting the lease as running
+    second = g.wait_lease(timeout_s=10)
+    assert lease.lease_id in g.revoked
+    assert second.group_id == lease.group_id and second.lease_id != lease.lease_id
+    g.close()
+
+
+def test_duplicates_and_out_of_order_chunks(cluster: Cluster) -> None:
+    cluster.start_hub("--data.n_samples_per_prompt", "2", "--async.groups_per_step", "1")
+    g = HandGenerator(cluster.gen_address, "gen")
+    g.register()
+    lease = g.wait_lease()
+    c0, c1, c2 = (make_chunk(lease, 0, s, 0, final=(s == 2)) for s in range(3))
+    g.send(c2)  # the last chunk first
+    g.send(c0, c0)  # a duplicate inside one batch
+    g.send(c1)
+    g.send(c1, c0)  # duplicates of durable chunks: acknowledged again, stored once
+    pump_until(g, lambda: g.acked == 3 and not g.link.unacked, "every chunk acknowledged (duplicates too)")
+    g.send(make_chunk(lease, 0, 3, 0, final=False))  # past the end of a finished sample
+    g.send(make_chunk(lease, 1, 1, 0, final=True))
+    g.send(make_chunk(lease, 1, 0, 0, final=True))  # a second final chunk for the same sample
+    pump_until(g, lambda: g.rejected == 2 and g.acked == 4, "rejections of the bad chunks")
+    g.send(make_chunk(lease, 1, 0, 0, final=False))
+    pump_until(g, lambda: g.acked == 5, "sample 1 complete")
+
+    cluster.start_reward()
+    client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(1, 1))
+    batch = client.claim(1, 0, timeout_s=20)
+    samples = batch.groups[0].samples
+    assert samples[0].tokens.tolist() == expected_sample(lease.group_id, 0, 3)  # in sequence order
+    assert samples[1].tokens.tolist() == expected_sample(lease.group_id, 1, 2)
+    assert samples[0].finish_reason == "stop" and samples[0].version == 0
+    m = metrics(cluster)
+    assert m["flywheel_hub_duplicate_chunks_total"] >= 3
+    assert m["flywheel_hub_chunks_in_total"] == 5  # 3 + 2 chunks: each stored once
+    assert rejected(cluster, "second_final_chunk") == 1
+    assert rejected(cluster, "seq_after_final") == 1
+    g.close()
+
+
+def test_metrics_endpoint_reports_queues_and_rates(cluster: Cluster) -> None:
+    cluster.start_hub("--async.groups_per_step", "2")
+    cluster.start_simgen("sim", "--min-len", "8", "--max-len", "32", "--tokens-per-s", "5000")
+    cluster.start_reward()
+    wait_until(lambda: metrics(cluster).get("flywheel_hub_groups_ready_total", 0) >= 2, 30, "groups ready")
+    m = metrics(cluster)
+    for key in ("flywheel_hub_open_groups", "flywheel_hub_active_leases", "flywheel_hub_ready_groups", "flywheel_hub_learner_version",
+                "flywheel_hub_tokens_in_total", "flywheel_hub_leases_reissued_total", "flywheel_hub_groups_dropped_total"):
+        assert key in m, key
+    assert m["flywheel_hub_tokens_in_total"] > 0
+    keys = RunKeys("flywheel")
+    assert cluster.redis.client().config_get("appendonly")["appendonly"] == "yes"
+    assert cluster.redis.client().exists(keys.counters)
+    time.sleep(1.2)
+    assert "tok/s" in (cluster.hub.log_path.read_text() if cluster.hub else "")

@@ -1,0 +1,87 @@
+"""The config tree: recipes, dotted overrides, clear errors, and a fast --help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flywheel.config import ConfigError, FlywheelConfig, load_config, parse_overrides, reference_markdown
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_validate() -> None:
+    cfg = load_config([])
+    assert isinstance(cfg, FlywheelConfig)
+    assert cfg.async_.max_staleness == 1
+
+
+def test_dotted_overrides_parse_yaml_scalars() -> None:
+    cfg = load_config(["--async.max_staleness", "4", "--async.requeue_stale=false", "--data.metadata_keys", "[a, b]",
+                       "--rollout.temperature", "0.5"])
+    assert cfg.async_.max_staleness == 4
+    assert cfg.async_.requeue_stale is False
+    assert cfg.data.metadata_keys == ["a", "b"]
+    assert cfg.rollout.temperature == 0.5
+
+
+def test_recipe_then_overrides(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("async:\n  max_staleness: 3\n  groups_per_step: 5\nrun:\n  name: exp1\n")
+    cfg = load_config(["--config", str(recipe), "--async.groups_per_step", "7"])
+    assert (cfg.async_.max_staleness, cfg.async_.groups_per_step, cfg.run.name) == (3, 7, "exp1")
+
+
+def test_unknown_key_suggests_the_nearest(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown key `async.max_stalenes`; did you mean `async.max_staleness`"):
+        load_config(["--async.max_stalenes", "2"])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("hub:\n  lease_timeout: 3\n")
+    with pytest.raises(ConfigError, match="hub.lease_timeout"):
+        load_config(["--config", str(recipe)])
+
+
+def test_bounds_name_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"`async.max_staleness`: Input should be greater than or equal to 0"):
+        load_config(["--async.max_staleness", "-1"])
+    with pytest.raises(ConfigError, match="run.name"):
+        load_config(["--run.name", "has space"])
+
+
+def test_cross_field_rule() -> None:
+    with pytest.raises(ConfigError, match="data.tokenizer is required"):
+        load_config(["--data.path", "x.jsonl"])
+
+
+def test_bad_flags() -> None:
+    with pytest.raises(ConfigError, match="needs a value"):
+        parse_overrides(["--async.max_staleness"])
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        parse_overrides(["max_staleness", "3"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(["--config", "/nonexistent.yaml"])
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_loads(recipe: Path) -> None:
+    load_config(["--config", str(recipe)])
+
+
+def test_reference_lists_every_field_with_a_description() -> None:
+    table = reference_markdown()
+    for key in ("async.max_staleness", "hub.lease_timeout_s", "data.n_samples_per_prompt", "redis.url"):
+        assert f"`{key}`" in table
+    assert "|  |" not in table  # no field without a description
+
+
+@pytest.mark.parametrize("module", ["buffer", "reward_service", "flywheel.cli"])
+def test_help_answers_without_importing_torch(module: str) -> None:
+    code = (f"import sys, runpy; sys.argv = ['x', '--help']\n"
+            f"try:\n    runpy.run_module('{module}', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import before config'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "usage" in out.stdout

@@ -1,0 +1,157 @@
+"""Wire contracts: every message round-trips, and garbage is rejected naming the field."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import msgspec
+import numpy as np
+import pytest
+
+from flywheel.wire import (
+    SCHEMA_VERSION,
+    BucketLayout,
+    Chunk,
+    ChunkAck,
+    ChunkBatch,
+    ChunkRejection,
+    Decoder,
+    Heartbeat,
+    Lease,
+    Register,
+    Revoke,
+    RewardRegister,
+    SamplingParams,
+    Score,
+    ScoreRequest,
+    ToGenerator,
+    ToHub,
+    WeightsAck,
+    WeightsReady,
+    WireError,
+    encode,
+    pack_f32,
+    pack_i32,
+    pack_i64,
+    unpack_f32,
+    unpack_i32,
+)
+
+ANY = ToHub | ToGenerator | ScoreRequest | WeightsReady | WeightsAck
+
+
+def chunk(**over: object) -> Chunk:
+    fields: dict[str, object] = dict(lease_id=3, group_id=7, sample=1, seq=0, tokens=pack_i32([5, 6, 7]),
+                                     logprobs=pack_f32([-0.1, -2.0, 0.0]), versions=pack_i32([4, 4, 5]))
+    fields.update(over)
+    return Chunk(**fields)  # type: ignore[arg-type]
+
+
+EXAMPLES = [
+    Register(generator_id="gen-0", model="tiny", capacity=8, weight_version=3),
+    Heartbeat(generator_id="gen-0", weight_version=4, lease_ids=[1, 2]),
+    chunk(),
+    chunk(finish_reason="stop", seq=9),
+    ChunkBatch(generator_id="gen-0", chunks=[chunk(), chunk(seq=1, finish_reason="length")]),
+    Lease(lease_id=1, group_id=2, prompt_tokens=pack_i32([1, 2]), samples=[0, 1, 2, 3],
+          sampling=SamplingParams(max_tokens=16, temperature=0.7), min_version=2, deadline=1e9),
+    ChunkAck(group_ids=pack_i64([1, 2]), samples=pack_i32([0, 1]), seqs=pack_i32([5, 6]),
+             rejected=[ChunkRejection(group_id=9, sample=0, seq=0, reason="unknown_lease")]),
+    Revoke(lease_ids=[4]),
+    RewardRegister(worker_id="rw", capacity=4),
+    ScoreRequest(group_id=1, sample=0, prompt_tokens=pack_i32([1]), response_tokens=pack_i32([2, 3]),
+                 finish_reason="stop", metadata={"answer": "8", "n": 3}),
+    Score(worker_id="rw", group_id=1, sample=0, reward=1.0, breakdown={"format": 1.0}),
+    WeightsReady(version=5, transport="gloo", deadline=1e9,
+                 buckets=[BucketLayout(names=["w"], shapes=[[2, 3]], dtypes=["float32"], nbytes=24)]),
+    WeightsAck(generator_id="gen-0", version=5),
+]
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: object) -> None:
+    data = encode(msg)  # type: ignore[arg-type]
+    assert msgspec.msgpack.decode(data)["type"] == type(msg).__name__  # a msgpack map with a type tag
+    back = Decoder(ANY).decode(data)
+    assert back == msg
+
+
+def test_arrays_are_packed_not_lists() -> None:
+    raw = msgspec.msgpack.decode(encode(chunk()))
+    assert isinstance(raw["tokens"], bytes) and len(raw["tokens"]) == 12
+    assert unpack_i32(raw["tokens"]).tolist() == [5, 6, 7]
+    assert np.allclose(unpack_f32(raw["logprobs"]), [-0.1, -2.0, 0.0])
+    assert raw["sv"] == SCHEMA_VERSION
+
+
+def _mutated(msg: object, **changes: object) -> bytes:
+    raw = msgspec.msgpack.decode(encode(msg))  # type: ignore[arg-type]
+    raw.update(changes)
+    return msgspec.msgpack.encode(raw)
+
+
+@pytest.mark.parametrize(
+    ("data", "reason", "field"),
+    [
+        (b"\x00\x01garbage", "malformed", "<root>"),
+        (b"", "malformed", "<frame>"),
+        (msgspec.msgpack.encode([1, 2, 3]), "malformed", "<root>"),
+        (msgspec.msgpack.encode({"type": "Nope"}), "malformed", "type"),
+        (_mutated(chunk(), seq="x"), "malformed", "seq"),
+        (_mutated(chunk(), extra=1), "malformed", "extra"),
+        (_mutated(chunk(), sv=SCHEMA_VERSION + 1), "schema_version", "sv"),
+        (_mutated(chunk(), tokens=b"\x01\x02\x03"), "invalid_field", "tokens"),
+        (_mutated(chunk(), logprobs=pack_f32([-1.0])), "invalid_field", "logprobs"),
+        (_mutated(chunk(), versions=pack_i32([1, 1])), "invalid_field", "versions"),
+        (_mutated(chunk(), logprobs=pack_f32([-1.0, math.nan, -1.0])), "invalid_field", "logprobs"),
+        (_mutated(chunk(), logprobs=pack_f32([-1.0, 0.5, -1.0])), "invalid_field", "logprobs"),
+        (_mutated(chunk(), tokens=pack_i32([1, -5, 2])), "invalid_field", "tokens"),
+        (_mutated(chunk(), seq=-1), "invalid_field", "seq"),
+        (_mutated(chunk(), finish_reason="exploded"), "invalid_field", "finish_reason"),
+        (_mutated(chunk(), tokens=b"", logprobs=b"", versions=b""), "invalid_field", "tokens"),
+        (_mutated(Register(generator_id="g", model="m", capacity=1, weight_version=0), capacity=0), "invalid_field", "capacity"),
+        (_mutated(Score(worker_id="w", group_id=1, sample=0, reward=0.0), reward=math.inf), "invalid_field", "reward"),
+    ],
+)
+def test_garbage_is_rejected_naming_the_field(data: bytes, reason: str, field: str) -> None:
+    with pytest.raises(WireError) as err:
+        Decoder(ToHub).decode(data)
+    assert err.value.reason == reason
+    assert err.value.field == field, str(err.value)
+
+
+def test_batch_error_names_the_chunk() -> None:
+    bad = ChunkBatch(generator_id="g", chunks=[chunk(), chunk(seq=1), chunk(seq=2, logprobs=pack_f32([-1, 1, -1]))])
+    with pytest.raises(WireError) as err:
+        Decoder(ToHub).decode(encode(bad))
+    assert err.value.field == "chunks[2].logprobs"
+
+
+def test_oversized_frame_is_rejected_before_decoding() -> None:
+    big = encode(ChunkBatch(generator_id="g", chunks=[chunk()] * 200))
+    with pytest.raises(WireError) as err:
+        Decoder(ToHub, max_bytes=1024).decode(big)
+    assert err.value.reason == "oversized"
+
+
+def test_random_garbage_never_escapes_as_another_exception() -> None:
+    """Random bytes and random mutations of valid frames: WireError or a valid message, nothing else."""
+    rng = random.Random(1234)
+    decoder = Decoder(ANY)
+    valid = [encode(m) for m in EXAMPLES]  # type: ignore[arg-type]
+    outcomes = {"rejected": 0, "accepted": 0}
+    for i in range(20000):
+        if i % 2:
+            data = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))
+        else:
+            buf = bytearray(rng.choice(valid))
+            for _ in range(rng.randint(1, 4)):
+                buf[rng.randrange(len(buf))] = rng.getrandbits(8)
+            data = bytes(buf)
+        try:
+            decoder.decode(data)
+            outcomes["accepted"] += 1
+        except WireError:
+            outcomes["rejected"] += 1
+    assert outcomes["rejected"] > 10000 and outcomes["accepted"] > 0
