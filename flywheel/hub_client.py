@@ -49,6 +49,7 @@ class RolloutGroup:
     group_id: int
     version: int  # oldest token version in the group
     staleness: int  # learner version at claim time minus ``version``
+    prompt_index: int  # row of the prompt source
     prompt_tokens: np.ndarray  # [P] int32
     metadata: dict[str, object]
     samples: list[RolloutSample]
@@ -130,7 +131,8 @@ class BatchClient:
                     versions=unpack_i32(stored.versions), finish_reason=stored.finish_reason,
                     reward=score.reward, reward_breakdown=score.breakdown, reward_error=score.error,
                 ))
-            out.append(RolloutGroup(gid, version, learner_version - version, unpack_i32(meta.prompt_tokens), dict(meta.metadata), samples))
+            out.append(RolloutGroup(gid, version, learner_version - version, meta.prompt_index, unpack_i32(meta.prompt_tokens),
+                                    dict(meta.metadata), samples))
         return out
 
     def staleness_histogram(self) -> dict[int, int]:

@@ -1,0 +1,81 @@
+"""Admission and consumption under the staleness bound, with real generators and a learner loop."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from flywheel.hub_client import BatchClient
+from flywheel.staleness import StalenessPolicy
+from flywheel.store import META, GroupMeta, unpack
+from tests.conftest import Cluster, wait_until
+
+GPS = 2  # groups per step
+
+
+@pytest.mark.parametrize("eta", [0, 1, 4])
+def test_admission_bounds_staleness(cluster: Cluster, eta: int) -> None:
+    cluster.start_hub("--async.max_staleness", str(eta), "--async.groups_per_step", str(GPS),
+                      "--data.n_samples_per_prompt", "2", "--data.epochs", "10")
+    for i in range(2):
+        cluster.start_simgen(f"sim{i}", "--min-len", "8", "--max-len", "40", "--tokens-per-s", "4000", "--capacity", "4", "--seed", str(i))
+    cluster.start_reward()
+    client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(eta, GPS))
+    staleness: list[int] = []
+    for v in range(8):
+        batch = client.claim(GPS, v, timeout_s=30)
+        assert len(batch.groups) == GPS
+        for g in batch.groups:
+            staleness.append(g.staleness)
+            token_versions = {int(x) for s in g.samples for x in s.versions}
+            assert all(v - eta <= tv <= v for tv in token_versions), (v, token_versions)
+            if eta == 0:
+                assert token_versions == {v}, "η = 0 must be strictly on-policy"
+        c = client.counters()
+        # admission: never more than (v + η + 1) steps of groups issued net of drops
+        assert c["groups_issued"] - c.get("groups_dropped", 0) <= (v + eta + 1) * GPS
+        time.sleep(0.4)  # a slow learner: generation may run ahead, by at most η
+        client.set_version(v + 1)
+    assert max(staleness) <= eta
+    if eta == 0:
+        assert set(staleness) == {0}
+    else:
+        assert max(staleness) >= 1, f"with η = {eta} and a slow learner, generation should run ahead: {staleness}"
+    hist = client.staleness_histogram()
+    assert sum(hist.values()) == 8 * GPS and max(hist) <= eta
+
+
+@pytest.mark.parametrize("requeue", [True, False])
+def test_too_stale_groups_are_dropped_and_requeued(cluster: Cluster, requeue: bool) -> None:
+    cluster.start_hub("--async.max_staleness", "1", "--async.groups_per_step", str(GPS), "--data.n_samples_per_prompt", "2",
+                      "--async.requeue_stale", str(requeue).lower(), "--data.shuffle", "false")
+    cluster.start_simgen("sim", "--min-len", "8", "--max-len", "16", "--tokens-per-s", "20000", "--capacity", "8")
+    cluster.start_reward()
+    client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(1, GPS))
+    r = client.redis
+    # v = 0, η = 1: two steps of groups are admitted; let them all become ready
+    wait_until(lambda: r.zcard(client.keys.ready) == 2 * GPS, 30, "4 ready groups")
+    ready = [int(g) for g in r.zrange(client.keys.ready, 0, -1)]
+    prompts = sorted(unpack(GroupMeta, r.hget(client.keys.group(g), META)).prompt_index for g in ready)  # type: ignore[arg-type]
+    # the learner jumps to v = 5: every ready group (version 0) is now too stale
+    pairs, dropped = client.try_claim(GPS, 5)
+    assert pairs == [] and dropped == 2 * GPS
+    assert client.counters()["groups_dropped"] == 2 * GPS
+    assert client.staleness_histogram() == {}  # nothing was served
+    # the hub cleans the dropped groups up ...
+    wait_until(lambda: all(not r.exists(client.keys.group(g)) for g in ready), 10, "dropped group data deleted")
+    client.set_version(5)  # generators follow; admission reopens for v = 5
+    batch = client.claim(GPS, 5, timeout_s=30)
+    assert all(g.staleness <= 1 for g in batch.groups)
+    # ... and re-queues their prompts first when configured
+    open_or_served = [g.prompt_index for g in batch.groups]
+    for key in r.scan_iter(match="fw:flywheel:g:*"):
+        raw = r.hget(key, META)
+        if raw is not None:
+            open_or_served.append(unpack(GroupMeta, raw).prompt_index)
+    served_prompts = sorted(open_or_served)
+    if requeue:
+        assert set(prompts) <= set(served_prompts), (prompts, served_prompts)
+    else:
+        assert not set(prompts) & set(served_prompts), (prompts, served_prompts)
