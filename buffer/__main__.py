@@ -27,10 +27,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging("hub", cfg.run.log_level)
     if cfg.redis.url is None:
-        print("flywheel-buffer: redis.url is required (the `flywheel` launcher starts a private Redis for you)", file=sys.stderr)
+        print(
+            "flywheel-buffer: redis.url is required (the `flywheel` launcher starts a private Redis for you)",
+            file=sys.stderr,
+        )
         return 2
     if cfg.data.path is None:
-        print("flywheel-buffer: data.path is required: a JSONL, parquet or HF datasets directory of prompts", file=sys.stderr)
+        print(
+            "flywheel-buffer: data.path is required: a JSONL, parquet or HF datasets directory of prompts",
+            file=sys.stderr,
+        )
         return 2
 
     import redis
@@ -46,8 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     recovery.load(hub)
     hub.start_metrics()
     hub.write_state_file()
-    log.info("hub listening: %s, run %r, %d prompts, max_staleness %d, groups_per_step %d",
-             hub.ports, cfg.run.name, len(source), cfg.async_.max_staleness, cfg.async_.groups_per_step)
+    log.info(
+        "hub listening: %s, run %r, %d prompts, max_staleness %d, groups_per_step %d",
+        hub.ports,
+        cfg.run.name,
+        len(source),
+        cfg.async_.max_staleness,
+        cfg.async_.groups_per_step,
+    )
     signal.signal(signal.SIGTERM, lambda *_: hub.stop())
     signal.signal(signal.SIGINT, lambda *_: hub.stop())
     hub.run()

@@ -75,8 +75,10 @@ class Hub:
         self.keys = RunKeys(cfg.run.name)
         self.policy = StalenessPolicy(cfg.async_.max_staleness, cfg.async_.groups_per_step)
         self.sampling = SamplingParams(
-            max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+            max_tokens=cfg.rollout.max_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
         )
         self.stats = HubStats()
         self.rejects = RejectLog(self.stats, self.hcfg.reject_log_interval_s)
@@ -109,7 +111,7 @@ class Hub:
         self._outbox: list[tuple[zmq.Socket, bytes, bytes]] = []
         self._turn_started = 0.0
 
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.gen_sock = self._router(self.hcfg.generator_port)
         self.reward_sock = self._router(self.hcfg.reward_port)
         self.ports = {
@@ -230,8 +232,12 @@ class Hub:
                 self.stats.note_durable(elapsed)
         for identity, acked in self._acks.items():
             arr = np.array(acked, dtype=np.int64).reshape(-1, 3)
-            msg = ChunkAck(group_ids=pack_i64(arr[:, 0]), samples=pack_i32(arr[:, 1]), seqs=pack_i32(arr[:, 2]),
-                           rejected=self._rejections.pop(identity, []))
+            msg = ChunkAck(
+                group_ids=pack_i64(arr[:, 0]),
+                samples=pack_i32(arr[:, 1]),
+                seqs=pack_i32(arr[:, 2]),
+                rejected=self._rejections.pop(identity, []),
+            )
             self._send(self.gen_sock, identity, msg)
         for identity, rejected in self._rejections.items():
             self._send(self.gen_sock, identity, ChunkAck(group_ids=b"", samples=b"", seqs=b"", rejected=rejected))
@@ -251,7 +257,7 @@ class Hub:
                 sample.pending = []
         self._dirty.clear()
         for gid, fields in by_group.items():
-            self._pipe.hset(self.keys.group(gid), mapping=fields)  # type: ignore[arg-type]
+            self._pipe.hset(self.keys.group(gid), mapping=fields)
 
     def _send(self, sock: zmq.Socket, identity: bytes, msg: Message) -> None:
         self._send_raw(sock, identity, encode(msg))
@@ -269,7 +275,9 @@ class Hub:
 
     def _on_register(self, identity: bytes, msg: Register) -> None:
         if identity != msg.generator_id.encode():
-            self.rejects.reject("identity_mismatch", f"socket identity {identity!r} != generator_id {msg.generator_id!r}", identity)
+            self.rejects.reject(
+                "identity_mismatch", f"socket identity {identity!r} != generator_id {msg.generator_id!r}", identity
+            )
             return
         now = time.monotonic()
         old = self.generators.get(msg.generator_id)
@@ -278,15 +286,21 @@ class Hub:
             log.info("generator %s re-registered; re-issuing its %d leases", msg.generator_id, len(old.leases))
             for lease_id in list(old.leases):
                 self._expire_lease(lease_id, notify=False)
-        record = GeneratorRecord(generator_id=msg.generator_id, model=msg.model, capacity=msg.capacity, weight_version=msg.weight_version)
+        record = GeneratorRecord(
+            generator_id=msg.generator_id, model=msg.model, capacity=msg.capacity, weight_version=msg.weight_version
+        )
         self.generators[msg.generator_id] = GeneratorInfo(record, identity, now)
         self._pipe.hset(self.keys.generators, msg.generator_id, pack(record))
-        log.info("generator %s registered (capacity %d, weights v%d)", msg.generator_id, msg.capacity, msg.weight_version)
+        log.info(
+            "generator %s registered (capacity %d, weights v%d)", msg.generator_id, msg.capacity, msg.weight_version
+        )
 
     def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
         gen = self.generators.get(msg.generator_id)
         if gen is None or gen.identity != identity:
-            self.rejects.reject("unregistered_generator", f"heartbeat from {msg.generator_id!r} before Register", identity)
+            self.rejects.reject(
+                "unregistered_generator", f"heartbeat from {msg.generator_id!r} before Register", identity
+            )
             return
         now = time.monotonic()
         gen.last_seen = now
@@ -356,8 +370,12 @@ class Hub:
         return None
 
     def _reject_chunk(self, identity: bytes, c: Chunk, reason: str) -> None:
-        self.rejects.reject(reason, f"chunk (group {c.group_id}, sample {c.sample}, seq {c.seq}, lease {c.lease_id})", identity)
-        self._rejections[identity].append(ChunkRejection(group_id=c.group_id, sample=c.sample, seq=c.seq, reason=reason))
+        self.rejects.reject(
+            reason, f"chunk (group {c.group_id}, sample {c.sample}, seq {c.seq}, lease {c.lease_id})", identity
+        )
+        self._rejections[identity].append(
+            ChunkRejection(group_id=c.group_id, sample=c.sample, seq=c.seq, reason=reason)
+        )
 
     def _complete_sample(self, group: OpenGroup, index: int, lease: ActiveLease) -> None:
         sample = group.samples[index]
@@ -402,7 +420,11 @@ class Hub:
             worker.last_seen = time.monotonic()
         group = self.groups.get(msg.group_id)
         if sent is None or group is None or group.samples[msg.sample].score is not None:
-            self.rejects.reject("unexpected_score", f"score for (group {msg.group_id}, sample {msg.sample}) that was not requested or is already scored", identity)
+            self.rejects.reject(
+                "unexpected_score",
+                f"score for (group {msg.group_id}, sample {msg.sample}) that was not requested or is already scored",
+                identity,
+            )
             return
         score = StoredScore(reward=msg.reward, breakdown=msg.breakdown, error=msg.error)
         group.samples[msg.sample].score = score
@@ -424,7 +446,12 @@ class Hub:
     def _expire_scores(self, now: float) -> None:
         for identity, worker in list(self.reward_workers.items()):
             if now - worker.last_seen > self.hcfg.generator_timeout_s:
-                log.warning("reward worker %r silent for %.1fs: dropped, %d samples re-queued", identity, now - worker.last_seen, len(worker.inflight))
+                log.warning(
+                    "reward worker %r silent for %.1fs: dropped, %d samples re-queued",
+                    identity,
+                    now - worker.last_seen,
+                    len(worker.inflight),
+                )
                 for key in worker.inflight:
                     self.score_sent.pop(key, None)
                     self.score_queue.appendleft(key)
@@ -432,9 +459,9 @@ class Hub:
         for key, (identity, sent_at) in list(self.score_sent.items()):
             if now - sent_at > self.hcfg.score_timeout_s:
                 del self.score_sent[key]
-                worker = self.reward_workers.get(identity)
-                if worker is not None:
-                    worker.inflight.discard(key)
+                owner = self.reward_workers.get(identity)
+                if owner is not None:
+                    owner.inflight.discard(key)
                 self.score_queue.appendleft(key)
                 self.stats.score_resends += 1
 
@@ -447,8 +474,14 @@ class Hub:
                     continue
                 stored = group.samples[index].done
                 assert stored is not None
-                req = ScoreRequest(group_id=gid, sample=index, prompt_tokens=group.meta.prompt_tokens,
-                                   response_tokens=stored.tokens, finish_reason=stored.finish_reason, metadata=group.meta.metadata)
+                req = ScoreRequest(
+                    group_id=gid,
+                    sample=index,
+                    prompt_tokens=group.meta.prompt_tokens,
+                    response_tokens=stored.tokens,
+                    finish_reason=stored.finish_reason,
+                    metadata=group.meta.metadata,
+                )
                 worker.inflight.add((gid, index))
                 self.score_sent[(gid, index)] = (worker.identity, now)
                 self._after_flush(self.reward_sock, worker.identity, req)
@@ -469,7 +502,12 @@ class Hub:
             self._log_stats()
 
     def _refresh_learner_state(self) -> None:
-        version, dropped = self.redis.pipeline(transaction=False).get(self.keys.version).hget(self.keys.counters, "groups_dropped").execute()
+        version, dropped = (
+            self.redis.pipeline(transaction=False)
+            .get(self.keys.version)
+            .hget(self.keys.counters, "groups_dropped")
+            .execute()
+        )
         self.learner_version = int(version or 0)
         self.groups_dropped = int(dropped or 0)
 
@@ -492,7 +530,12 @@ class Hub:
     def _expire(self, now: float) -> None:
         for gen_id, gen in list(self.generators.items()):
             if now - gen.last_seen > self.hcfg.generator_timeout_s:
-                log.warning("generator %s silent for %.1fs: evicted, %d leases re-issued", gen_id, now - gen.last_seen, len(gen.leases))
+                log.warning(
+                    "generator %s silent for %.1fs: evicted, %d leases re-issued",
+                    gen_id,
+                    now - gen.last_seen,
+                    len(gen.leases),
+                )
                 for lease_id in list(gen.leases):
                     self._expire_lease(lease_id, notify=False)
                 del self.generators[gen_id]
@@ -501,7 +544,12 @@ class Hub:
         wall = time.time()
         for lease in list(self.leases.values()):
             if lease.record.generator_id is not None and lease.record.deadline < wall:
-                log.warning("lease %d (group %d) on %s passed its deadline: re-issued", lease.lease_id, lease.record.group_id, lease.record.generator_id)
+                log.warning(
+                    "lease %d (group %d) on %s passed its deadline: re-issued",
+                    lease.lease_id,
+                    lease.record.group_id,
+                    lease.record.generator_id,
+                )
                 self._expire_lease(lease.lease_id, notify=True)
 
     def _expire_lease(self, lease_id: int, notify: bool) -> None:
@@ -526,8 +574,16 @@ class Hub:
         self._pipe.hincrby(self.keys.counters, "leases_reissued", 1)
 
     def _new_lease(self, group_id: int, samples: list[int]) -> ActiveLease:
-        lease = ActiveLease(LeaseRecord(lease_id=self.next_lease_id, group_id=group_id, generator_id=None,
-                                        samples=samples, sampling=self.sampling, deadline=0.0))
+        lease = ActiveLease(
+            LeaseRecord(
+                lease_id=self.next_lease_id,
+                group_id=group_id,
+                generator_id=None,
+                samples=samples,
+                sampling=self.sampling,
+                deadline=0.0,
+            )
+        )
         self.next_lease_id += 1
         self._pipe.hset(self.keys.counters, "next_lease_id", self.next_lease_id)
         self.leases[lease.lease_id] = lease
@@ -571,8 +627,15 @@ class Hub:
         gid = self.groups_issued
         self.groups_issued += 1
         n = self.cfg.data.n_samples_per_prompt
-        meta = GroupMeta(group_id=gid, prompt_index=index, epoch=epoch, prompt_tokens=prompt.tokens.tobytes(),
-                         n_samples=n, metadata=prompt.metadata, issued_at_version=self.learner_version)
+        meta = GroupMeta(
+            group_id=gid,
+            prompt_index=index,
+            epoch=epoch,
+            prompt_tokens=prompt.tokens.tobytes(),
+            n_samples=n,
+            metadata=prompt.metadata,
+            issued_at_version=self.learner_version,
+        )
         group = OpenGroup(meta, [SampleAssembly(lease_id=-1) for _ in range(n)])
         self.groups[gid] = group
         self._pipe.hset(self.keys.group(gid), META, pack(meta))
@@ -591,25 +654,49 @@ class Hub:
             group.samples[s].lease_id = rec.lease_id
         self._pipe.hset(self.keys.leases, rec.lease_id, pack(rec))
         self.stats.leases_issued += 1
-        msg = Lease(lease_id=rec.lease_id, group_id=rec.group_id, prompt_tokens=group.meta.prompt_tokens,
-                    samples=rec.samples, sampling=rec.sampling, min_version=min_version, deadline=rec.deadline)
+        msg = Lease(
+            lease_id=rec.lease_id,
+            group_id=rec.group_id,
+            prompt_tokens=group.meta.prompt_tokens,
+            samples=rec.samples,
+            sampling=rec.sampling,
+            min_version=min_version,
+            deadline=rec.deadline,
+        )
         self._after_flush(self.gen_sock, gen.identity, msg)
 
     # ------------------------------------------------------------------ stats
 
     def snapshot(self) -> dict[str, object]:
         s = self.stats
-        counters = {"chunks_in": s.chunks_in, "tokens_in": s.tokens_in, "duplicate_chunks": s.duplicates,
-                    "samples_completed": s.samples_completed, "groups_ready": s.groups_ready,
-                    "scores_in": s.scores_in, "score_resends": s.score_resends, "leases_issued": s.leases_issued,
-                    "leases_reissued": s.leases_reissued, "generators_evicted": s.generators_evicted,
-                    "groups_issued": self.groups_issued, "groups_dropped": self.groups_dropped}
-        gauges = {"learner_version": self.learner_version, "open_groups": len(self.groups),
-                  "active_leases": len(self.leases) - len(self.unassigned), "unassigned_leases": len(self.unassigned),
-                  "generators": len(self.generators), "reward_workers": len(self.reward_workers),
-                  "scores_pending": len(self.score_queue) + len(self.score_sent),
-                  "requeued_prompts": len(self.requeued_prompts), "data_epoch": self.epoch,
-                  "data_exhausted": int(self.source.exhausted(self.epoch) and not self.requeued_prompts)}
+        counters = {
+            "chunks_in": s.chunks_in,
+            "tokens_in": s.tokens_in,
+            "duplicate_chunks": s.duplicates,
+            "samples_completed": s.samples_completed,
+            "groups_ready": s.groups_ready,
+            "scores_in": s.scores_in,
+            "score_resends": s.score_resends,
+            "leases_issued": s.leases_issued,
+            "leases_reissued": s.leases_reissued,
+            "generators_evicted": s.generators_evicted,
+            "groups_issued": self.groups_issued,
+            "groups_dropped": self.groups_dropped,
+        }
+        gauges = {
+            "learner_version": self.learner_version,
+            "open_groups": len(self.groups),
+            "active_leases": len(self.leases) - len(self.unassigned),
+            "unassigned_leases": len(self.unassigned),
+            "generators": len(self.generators),
+            "reward_workers": len(self.reward_workers),
+            "scores_pending": len(self.score_queue) + len(self.score_sent),
+            "requeued_prompts": len(self.requeued_prompts),
+            "data_epoch": self.epoch,
+            "turn_durable_ms_p50": s.durable_ms(50),
+            "turn_durable_ms_p99": s.durable_ms(99),
+            "data_exhausted": int(self.source.exhausted(self.epoch) and not self.requeued_prompts),
+        }
         try:
             gauges["ready_groups"] = int(self.redis.zcard(self.keys.ready))
             staleness = {int(k): int(v) for k, v in self.redis.hgetall(self.keys.staleness).items()}
@@ -626,12 +713,25 @@ class Hub:
         assert isinstance(hist, dict)
         served = sum(hist.values())
         mean_staleness = sum(k * n for k, n in hist.items()) / served if served else 0.0
-        log.info("v%d | %.0f tok/s %.0f chunks/s | open %d (scoring %d) ready %s leases %d | issued %d dropped %d reissued %d | served %d, staleness mean %.2f max %s | rejected %s",
-                 g["learner_version"], rates["tokens"], rates["chunks"], g["open_groups"], g["scores_pending"], g.get("ready_groups"),
-                 g["active_leases"], c["groups_issued"], c["groups_dropped"], c["leases_reissued"],
-                 served, mean_staleness, max(hist, default=None), snap["rejected"] or "{}")
+        log.info(
+            "v%d | %.0f tok/s %.0f chunks/s | open %d (scoring %d) ready %s leases %d | issued %d dropped %d reissued %d | served %d, staleness mean %.2f max %s | rejected %s",
+            g["learner_version"],
+            rates["tokens"],
+            rates["chunks"],
+            g["open_groups"],
+            g["scores_pending"],
+            g.get("ready_groups"),
+            g["active_leases"],
+            c["groups_issued"],
+            c["groups_dropped"],
+            c["leases_reissued"],
+            served,
+            mean_staleness,
+            max(hist, default=None),
+            snap["rejected"] or "{}",
+        )
 
 
 def _port_of(sock: zmq.Socket) -> int:
-    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     return int(endpoint.rsplit(":", 1)[1])

@@ -38,7 +38,9 @@ def _detect_format(path: Path, fmt: str) -> str:
         return "jsonl"
     if path.suffix == ".parquet":
         return "parquet"
-    raise ValueError(f"data.path {str(path)!r}: cannot tell its format from the suffix; set data.format to jsonl, parquet or hf_disk")
+    raise ValueError(
+        f"data.path {str(path)!r}: cannot tell its format from the suffix; set data.format to jsonl, parquet or hf_disk"
+    )
 
 
 def load_rows(cfg: DataConfig) -> list[dict[str, Any]]:
@@ -79,7 +81,9 @@ def load_rows(cfg: DataConfig) -> list[dict[str, Any]]:
     if not rows:
         raise ValueError(f"data.path {str(path)!r} holds no rows")
     if missing:
-        raise ValueError(f"{missing} of {len(rows)} rows lack data.input_key {cfg.input_key!r}; set --data.input_key to the prompt field")
+        raise ValueError(
+            f"{missing} of {len(rows)} rows lack data.input_key {cfg.input_key!r}; set --data.input_key to the prompt field"
+        )
     return rows
 
 

@@ -13,7 +13,16 @@ import time
 from buffer.hub import Hub
 from buffer.state import ActiveLease, GeneratorInfo, OpenGroup, SampleAssembly
 from flywheel.staleness import GroupState
-from flywheel.store import META, GeneratorRecord, GroupMeta, LeaseRecord, StoredSample, StoredScore, unpack, unpack_chunks
+from flywheel.store import (
+    META,
+    GeneratorRecord,
+    GroupMeta,
+    LeaseRecord,
+    StoredSample,
+    StoredScore,
+    unpack,
+    unpack_chunks,
+)
 from flywheel.wire import unpack_i32
 
 log = logging.getLogger(__name__)
@@ -33,9 +42,9 @@ def load(hub: Hub) -> None:
 
     now = time.monotonic()
     for raw in r.hvals(k.generators):
-        rec = unpack(GeneratorRecord, raw)
+        gen_rec = unpack(GeneratorRecord, raw)
         # presumed alive until its heartbeat is overdue; it keeps its socket identity
-        hub.generators[rec.generator_id] = GeneratorInfo(rec, rec.generator_id.encode(), now)
+        hub.generators[gen_rec.generator_id] = GeneratorInfo(gen_rec, gen_rec.generator_id.encode(), now)
 
     for gid in sorted(int(g) for g in r.smembers(k.open)):
         group = _load_group(hub, gid)
@@ -64,9 +73,16 @@ def load(hub: Hub) -> None:
         if group.all_scored():
             hub._mark_ready(group)
     hub._flush()
-    log.info("recovered: v%d, %d open groups, %d leases, %d generators, %d samples to score, issued %d dropped %d",
-             hub.learner_version, len(hub.groups), len(hub.leases), len(hub.generators), len(hub.score_queue),
-             hub.groups_issued, hub.groups_dropped)
+    log.info(
+        "recovered: v%d, %d open groups, %d leases, %d generators, %d samples to score, issued %d dropped %d",
+        hub.learner_version,
+        len(hub.groups),
+        len(hub.leases),
+        len(hub.generators),
+        len(hub.score_queue),
+        hub.groups_issued,
+        hub.groups_dropped,
+    )
 
 
 def _load_group(hub: Hub, gid: int) -> OpenGroup | None:

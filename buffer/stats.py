@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +27,14 @@ class HubStats:
     generators_evicted: int = 0
     prompts_truncated: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
-    # durable-latency samples (seconds from frame receipt to Redis write done), bounded
-    durable_s: list[float] = field(default_factory=list)
+    # seconds from the start of a turn that took chunks to its Redis write returning (recent turns)
+    durable_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
 
     def note_durable(self, seconds: float) -> None:
-        if len(self.durable_s) < 100_000:
-            self.durable_s.append(seconds)
+        self.durable_s.append(seconds)
+
+    def durable_ms(self, q: float) -> float:
+        return float(np.percentile(np.asarray(self.durable_s), q) * 1000) if self.durable_s else 0.0
 
 
 class RejectLog:
@@ -91,7 +95,9 @@ def start_metrics_server(port: int, host: str, snapshot: Callable[[], dict[str, 
             for reason, n in snap["rejected"].items():  # type: ignore[attr-defined]
                 rej.add_metric([reason], n)
             yield rej
-            st = GaugeMetricFamily("flywheel_hub_served_staleness", "groups served to learners by staleness", labels=["staleness"])
+            st = GaugeMetricFamily(
+                "flywheel_hub_served_staleness", "groups served to learners by staleness", labels=["staleness"]
+            )
             for k, n in snap["staleness"].items():  # type: ignore[attr-defined]
                 st.add_metric([str(k)], n)
             yield st

@@ -23,41 +23,73 @@ class _Section(BaseModel):
 class RunConfig(_Section):
     """Identity of a run: every Redis key of the run lives under its name."""
 
-    name: str = Field("flywheel", description="Run name; the Redis key prefix is fw:<name>. Letters, digits, '_', '-', '.'.")
+    name: str = Field(
+        "flywheel", description="Run name; the Redis key prefix is fw:<name>. Letters, digits, '_', '-', '.'."
+    )
     seed: int = Field(0, ge=0, description="Base random seed (data shuffling, simulated generators).")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Logging level of every service.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Logging level of every service."
+    )
 
     @field_validator("name")
     @classmethod
     def _name_is_key_safe(cls, v: str) -> str:
         if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", v):
-            raise ValueError("run.name must be 1-64 characters of letters, digits, '_', '-', '.' (it becomes a Redis key prefix)")
+            raise ValueError(
+                "run.name must be 1-64 characters of letters, digits, '_', '-', '.' (it becomes a Redis key prefix)"
+            )
         return v
 
 
 class RedisConfig(_Section):
     """Where the hub's durable state lives."""
 
-    url: str | None = Field(None, description="redis:// URL of an existing server. Unset: the launcher starts a private redis-server (AOF on).")
-    dir: str | None = Field(None, description="Data directory of a private server (AOF files). Unset: a fresh temporary directory.")
-    appendfsync: Literal["always", "everysec", "no"] = Field("everysec", description="AOF fsync policy of a private server.")
-    socket_timeout_s: float = Field(10.0, gt=0, le=600, description="Timeout of every Redis call; a hung Redis raises instead of blocking forever.")
+    url: str | None = Field(
+        None,
+        description="redis:// URL of an existing server. Unset: the launcher starts a private redis-server (AOF on).",
+    )
+    dir: str | None = Field(
+        None, description="Data directory of a private server (AOF files). Unset: a fresh temporary directory."
+    )
+    appendfsync: Literal["always", "everysec", "no"] = Field(
+        "everysec", description="AOF fsync policy of a private server."
+    )
+    socket_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="Timeout of every Redis call; a hung Redis raises instead of blocking forever."
+    )
 
 
 class DataConfig(_Section):
     """The prompt source the hub leases from."""
 
-    path: str | None = Field(None, description="JSONL file, parquet file, or a local HF `datasets` directory (save_to_disk).")
-    format: Literal["auto", "jsonl", "parquet", "hf_disk"] = Field("auto", description="Source format; auto picks by suffix / directory.")
-    input_key: str = Field("prompt", description="Field holding the prompt text (or a list of chat messages when apply_chat_template).")
-    metadata_keys: list[str] = Field(default_factory=lambda: ["answer"], description="Fields passed through to the reward service (e.g. the reference answer). Missing ones are skipped.")
-    tokenizer: str | None = Field(None, description="HF tokenizer path used to tokenize prompts. Required when data.path is set.")
-    apply_chat_template: bool = Field(False, description="Format each prompt with the tokenizer's chat template before tokenizing.")
-    max_prompt_tokens: int = Field(1024, ge=1, le=1 << 20, description="Prompts longer than this are truncated from the left (and counted).")
+    path: str | None = Field(
+        None, description="JSONL file, parquet file, or a local HF `datasets` directory (save_to_disk)."
+    )
+    format: Literal["auto", "jsonl", "parquet", "hf_disk"] = Field(
+        "auto", description="Source format; auto picks by suffix / directory."
+    )
+    input_key: str = Field(
+        "prompt", description="Field holding the prompt text (or a list of chat messages when apply_chat_template)."
+    )
+    metadata_keys: list[str] = Field(
+        default_factory=lambda: ["answer"],
+        description="Fields passed through to the reward service (e.g. the reference answer). Missing ones are skipped.",
+    )
+    tokenizer: str | None = Field(
+        None, description="HF tokenizer path used to tokenize prompts. Required when data.path is set."
+    )
+    apply_chat_template: bool = Field(
+        False, description="Format each prompt with the tokenizer's chat template before tokenizing."
+    )
+    max_prompt_tokens: int = Field(
+        1024, ge=1, le=1 << 20, description="Prompts longer than this are truncated from the left (and counted)."
+    )
     epochs: int = Field(1, ge=1, le=100000, description="Passes over the prompt source.")
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded by data.seed and the epoch).")
     seed: int = Field(0, ge=0, description="Shuffle seed.")
-    n_samples_per_prompt: int = Field(4, ge=1, le=4096, description="Samples per prompt: one prompt group holds this many.")
+    n_samples_per_prompt: int = Field(
+        4, ge=1, le=4096, description="Samples per prompt: one prompt group holds this many."
+    )
 
 
 class RolloutConfig(_Section):
@@ -72,37 +104,81 @@ class RolloutConfig(_Section):
 class AsyncConfig(_Section):
     """How far generation may run ahead of the learner (DESIGN.md: versions and staleness)."""
 
-    max_staleness: int = Field(1, ge=0, le=1000, description="η: never train on a sample older than v - η. 0 is exactly synchronous on-policy training.")
-    groups_per_step: int = Field(8, ge=1, le=1 << 20, description="Prompt groups the learner consumes per optimizer step.")
-    requeue_stale: bool = Field(True, description="Re-queue the prompts of groups dropped as too stale (otherwise they are skipped).")
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="η: never train on a sample older than v - η. 0 is exactly synchronous on-policy training.",
+    )
+    groups_per_step: int = Field(
+        8, ge=1, le=1 << 20, description="Prompt groups the learner consumes per optimizer step."
+    )
+    requeue_stale: bool = Field(
+        True, description="Re-queue the prompts of groups dropped as too stale (otherwise they are skipped)."
+    )
 
 
 class HubConfig(_Section):
     """The rollout hub service (flywheel-buffer)."""
 
     host: str = Field("127.0.0.1", description="Interface the hub binds (use 0.0.0.0 on a cluster).")
-    generator_port: int = Field(5555, ge=0, le=65535, description="ROUTER port for generators (Register, Heartbeat, Chunk). 0 picks a free port.")
+    generator_port: int = Field(
+        5555,
+        ge=0,
+        le=65535,
+        description="ROUTER port for generators (Register, Heartbeat, Chunk). 0 picks a free port.",
+    )
     reward_port: int = Field(5556, ge=0, le=65535, description="ROUTER port for reward workers. 0 picks a free port.")
-    metrics_port: int | None = Field(9400, ge=0, le=65535, description="Prometheus /metrics HTTP port; null disables it. 0 picks a free port.")
-    lease_timeout_s: float = Field(60.0, gt=0, le=86400, description="A lease with no chunk or heartbeat for this long is re-issued.")
-    generator_timeout_s: float = Field(15.0, gt=0, le=86400, description="A generator silent for this long is presumed dead: its leases are re-issued at once.")
-    score_timeout_s: float = Field(60.0, gt=0, le=86400, description="A score request unanswered for this long is sent again.")
-    max_message_bytes: int = Field(64 << 20, ge=1024, description="Frames larger than this are rejected (counted as 'oversized').")
+    metrics_port: int | None = Field(
+        9400, ge=0, le=65535, description="Prometheus /metrics HTTP port; null disables it. 0 picks a free port."
+    )
+    lease_timeout_s: float = Field(
+        60.0, gt=0, le=86400, description="A lease with no chunk or heartbeat for this long is re-issued."
+    )
+    generator_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        le=86400,
+        description="A generator silent for this long is presumed dead: its leases are re-issued at once.",
+    )
+    score_timeout_s: float = Field(
+        60.0, gt=0, le=86400, description="A score request unanswered for this long is sent again."
+    )
+    max_message_bytes: int = Field(
+        64 << 20, ge=1024, description="Frames larger than this are rejected (counted as 'oversized')."
+    )
     sndhwm: int = Field(10000, ge=0, description="ZMQ send high-water mark (messages).")
     rcvhwm: int = Field(10000, ge=0, description="ZMQ receive high-water mark (messages).")
-    max_turn_items: int = Field(4096, ge=1, le=1 << 20, description="Chunks (or other messages) taken per loop turn before its one MULTI/EXEC write: bounds ack latency.")
+    max_turn_items: int = Field(
+        4096,
+        ge=1,
+        le=1 << 20,
+        description="Chunks (or other messages) taken per loop turn before its one MULTI/EXEC write: bounds ack latency.",
+    )
     stats_interval_s: float = Field(10.0, gt=0, description="How often the hub logs a stats line.")
-    reject_log_interval_s: float = Field(10.0, gt=0, description="Rejected messages are logged at most once per reason per interval.")
-    state_file: str | None = Field(None, description="Write the bound ports here as JSON once listening (for launchers and tests).")
+    reject_log_interval_s: float = Field(
+        10.0, gt=0, description="Rejected messages are logged at most once per reason per interval."
+    )
+    state_file: str | None = Field(
+        None, description="Write the bound ports here as JSON once listening (for launchers and tests)."
+    )
 
 
 class RewardConfig(_Section):
     """The reward service (flywheel-reward)."""
 
-    function: Literal["exact_match", "length"] = Field("exact_match", description="Reward function: exact_match (response text contains metadata 'answer') or length (tokens / max_tokens).")
+    function: Literal["exact_match", "length"] = Field(
+        "exact_match",
+        description="Reward function: exact_match (response text contains metadata 'answer') or length (tokens / max_tokens).",
+    )
     tokenizer: str | None = Field(None, description="HF tokenizer for decoding responses; defaults to data.tokenizer.")
     hub_address: str = Field("tcp://127.0.0.1:5556", description="Hub reward ROUTER address the workers connect to.")
-    capacity: int = Field(256, ge=1, le=65536, description="Samples in flight to one worker (its credit at the hub); enough to cover a round trip at full rate.")
+    capacity: int = Field(
+        256,
+        ge=1,
+        le=65536,
+        description="Samples in flight to one worker (its credit at the hub); enough to cover a round trip at full rate.",
+    )
 
 
 class FlywheelConfig(_Section):
@@ -119,7 +195,9 @@ class FlywheelConfig(_Section):
     @model_validator(mode="after")
     def _data_needs_tokenizer(self) -> FlywheelConfig:
         if self.data.path is not None and self.data.tokenizer is None:
-            raise ValueError("data.tokenizer is required when data.path is set: pass --data.tokenizer PATH (an HF tokenizer directory)")
+            raise ValueError(
+                "data.tokenizer is required when data.path is set: pass --data.tokenizer PATH (an HF tokenizer directory)"
+            )
         return self
 
 
@@ -223,8 +301,12 @@ def reference(model: type[BaseModel] = FlywheelConfig, prefix: str = "") -> list
             continue
         default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
         type_name = str(ann).replace("typing.", "") if not isinstance(ann, type) else ann.__name__
-        bounds = [f"{sym} {getattr(m, attr)}" for m in field.metadata
-                  for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if hasattr(m, attr)]
+        bounds = [
+            f"{sym} {getattr(m, attr)}"
+            for m in field.metadata
+            for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+            if hasattr(m, attr)
+        ]
         desc = field.description or ""
         if bounds:
             desc += f" [{', '.join(bounds)}]"

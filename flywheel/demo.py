@@ -30,11 +30,32 @@ def run_demo(overrides: list[str], steps: int = 12, generators: int = 3, train_s
     tok = build_tokenizer(work / "tokenizer")
     data = write_arithmetic_jsonl(work / "prompts.jsonl", 512)
     redis_server = RedisServer(work / "redis")
-    base = ["--redis.url", redis_server.url, "--data.path", str(data), "--data.tokenizer", str(tok),
-            "--hub.generator_port", "0", "--hub.reward_port", "0", "--hub.metrics_port", "0",
-            "--hub.state_file", str(work / "hub.json"), "--hub.stats_interval_s", "2",
-            "--reward.function", "length", "--rollout.max_tokens", "256", "--async.groups_per_step", "4",
-            "--data.n_samples_per_prompt", "4"]
+    base = [
+        "--redis.url",
+        redis_server.url,
+        "--data.path",
+        str(data),
+        "--data.tokenizer",
+        str(tok),
+        "--hub.generator_port",
+        "0",
+        "--hub.reward_port",
+        "0",
+        "--hub.metrics_port",
+        "0",
+        "--hub.state_file",
+        str(work / "hub.json"),
+        "--hub.stats_interval_s",
+        "2",
+        "--reward.function",
+        "length",
+        "--rollout.max_tokens",
+        "256",
+        "--async.groups_per_step",
+        "4",
+        "--data.n_samples_per_prompt",
+        "4",
+    ]
     cfg = load_config(base + overrides)
     services: list[Service] = []
     try:
@@ -43,12 +64,41 @@ def run_demo(overrides: list[str], steps: int = 12, generators: int = 3, train_s
         ports = wait_for_state_file(work / "hub.json", hub)
         console.print(f"hub up: {ports}; Redis {redis_server.url} (AOF in {redis_server.dir})")
         for i in range(generators):
-            services.append(Service(f"simgen{i}", "generators.simulated", [
-                "--hub", f"tcp://127.0.0.1:{ports['generator_port']}", "--id", f"sim{i}", "--seed", str(i),
-                "--capacity", "4", "--min-len", "32", "--max-len", "256", "--tokens-per-s", "15000",
-                "--follow-redis", redis_server.url, "--run", cfg.run.name], work))
-        services.append(Service("reward", "reward_service", [
-            *base, *overrides, "--reward.hub_address", f"tcp://127.0.0.1:{ports['reward_port']}"], work))
+            services.append(
+                Service(
+                    f"simgen{i}",
+                    "generators.simulated",
+                    [
+                        "--hub",
+                        f"tcp://127.0.0.1:{ports['generator_port']}",
+                        "--id",
+                        f"sim{i}",
+                        "--seed",
+                        str(i),
+                        "--capacity",
+                        "4",
+                        "--min-len",
+                        "32",
+                        "--max-len",
+                        "256",
+                        "--tokens-per-s",
+                        "15000",
+                        "--follow-redis",
+                        redis_server.url,
+                        "--run",
+                        cfg.run.name,
+                    ],
+                    work,
+                )
+            )
+        services.append(
+            Service(
+                "reward",
+                "reward_service",
+                [*base, *overrides, "--reward.hub_address", f"tcp://127.0.0.1:{ports['reward_port']}"],
+                work,
+            )
+        )
         _consume(cfg, redis_server, steps, train_s)
         _show_metrics(ports["metrics_port"])
     finally:
@@ -60,29 +110,51 @@ def run_demo(overrides: list[str], steps: int = 12, generators: int = 3, train_s
 
 
 def _consume(cfg: FlywheelConfig, redis_server: RedisServer, steps: int, train_s: float) -> None:
-    client = BatchClient(redis_server.client(), cfg.run.name, StalenessPolicy(cfg.async_.max_staleness, cfg.async_.groups_per_step))
+    client = BatchClient(
+        redis_server.client(), cfg.run.name, StalenessPolicy(cfg.async_.max_staleness, cfg.async_.groups_per_step)
+    )
     table = Table(title=f"batches claimed (max_staleness η = {cfg.async_.max_staleness})")
-    for col in ("step", "learner v", "groups", "samples", "tokens", "mean reward", "staleness", "token versions", "dropped", "wait s"):
+    for col in (
+        "learner v",
+        "groups",
+        "samples",
+        "tokens",
+        "mean reward",
+        "staleness max/mean",
+        "token versions",
+        "dropped",
+        "wait s",
+    ):
         table.add_column(col, justify="right")
-    version = 0
     start = time.monotonic()
     total_tokens = 0
-    for step in range(steps):
+    for version in range(steps):  # the learner's version is its step count
         batch = client.claim(cfg.async_.groups_per_step, version, timeout_s=60)
         samples = [s for g in batch.groups for s in g.samples]
         tokens = sum(len(s.tokens) for s in samples)
         total_tokens += tokens
         versions = sorted({int(v) for s in samples for v in set(s.versions.tolist())})
-        table.add_row(str(step), str(version), str(len(batch.groups)), str(len(samples)), str(tokens),
-                      f"{sum(s.reward for s in samples) / len(samples):.3f}", str(batch.staleness),
-                      str(versions), str(batch.dropped), f"{batch.wait_s:.2f}")
-        console.print(f"step {step}: v{version}, {len(batch.groups)} groups, {tokens} tokens, staleness {batch.staleness}")
+        table.add_row(
+            str(version),
+            str(len(batch.groups)),
+            str(len(samples)),
+            str(tokens),
+            f"{sum(s.reward for s in samples) / len(samples):.3f}",
+            f"{max(batch.staleness)} / {sum(batch.staleness) / len(batch.staleness):.1f}",
+            ",".join(map(str, versions)),
+            str(batch.dropped),
+            f"{batch.wait_s:.2f}",
+        )
+        console.print(
+            f"step {version}: v{version}, {len(batch.groups)} groups, {tokens} tokens, staleness {batch.staleness}"
+        )
         time.sleep(train_s)  # stands in for an optimizer step
-        version += 1
-        client.set_version(version)
+        client.set_version(version + 1)
     console.print(table)
     elapsed = time.monotonic() - start
-    console.print(f"{total_tokens} tokens in {elapsed:.1f}s; served staleness histogram {client.staleness_histogram()}; counters {client.counters()}")
+    console.print(
+        f"{total_tokens} tokens in {elapsed:.1f}s; served staleness histogram {client.staleness_histogram()}; counters {client.counters()}"
+    )
 
 
 def _show_metrics(port: int | None) -> None:

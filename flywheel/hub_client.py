@@ -106,7 +106,9 @@ class BatchClient:
                 break
             if time.monotonic() - start > timeout_s:
                 ready = self.redis.zcard(self.keys.ready)
-                raise BatchTimeout(f"no batch of {n_groups} groups within {timeout_s:.1f}s ({ready} ready); is the hub running and are generators connected?")
+                raise BatchTimeout(
+                    f"no batch of {n_groups} groups within {timeout_s:.1f}s ({ready} ready); is the hub running and are generators connected?"
+                )
             time.sleep(poll_s)
         groups = self._load(pairs, learner_version)
         return Batch(learner_version, groups, dropped_total, time.monotonic() - start, [g.staleness for g in groups])
@@ -126,13 +128,28 @@ class BatchClient:
             for s in range(meta.n_samples):
                 stored = unpack(StoredSample, raw[sample_field(s)])
                 score = unpack(StoredScore, raw[score_field(s)])
-                samples.append(RolloutSample(
-                    tokens=unpack_i32(stored.tokens), logprobs=unpack_f32(stored.logprobs),
-                    versions=unpack_i32(stored.versions), finish_reason=stored.finish_reason,
-                    reward=score.reward, reward_breakdown=score.breakdown, reward_error=score.error,
-                ))
-            out.append(RolloutGroup(gid, version, learner_version - version, meta.prompt_index, unpack_i32(meta.prompt_tokens),
-                                    dict(meta.metadata), samples))
+                samples.append(
+                    RolloutSample(
+                        tokens=unpack_i32(stored.tokens),
+                        logprobs=unpack_f32(stored.logprobs),
+                        versions=unpack_i32(stored.versions),
+                        finish_reason=stored.finish_reason,
+                        reward=score.reward,
+                        reward_breakdown=score.breakdown,
+                        reward_error=score.error,
+                    )
+                )
+            out.append(
+                RolloutGroup(
+                    gid,
+                    version,
+                    learner_version - version,
+                    meta.prompt_index,
+                    unpack_i32(meta.prompt_tokens),
+                    dict(meta.metadata),
+                    samples,
+                )
+            )
         return out
 
     def staleness_histogram(self) -> dict[int, int]:

@@ -14,12 +14,16 @@ from pathlib import Path
 class Service:
     """One child process (``python -m module args``) with its log file."""
 
-    def __init__(self, name: str, module: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, name: str, module: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("ab")
         full_env = {**os.environ, **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args], stdout=self._log, stderr=subprocess.STDOUT, env=full_env
+        )
 
     @property
     def pid(self) -> int:
@@ -56,4 +60,5 @@ def wait_for_state_file(path: Path, service: Service, timeout_s: float = 60.0) -
         if time.monotonic() > deadline:
             raise TimeoutError(f"{service.name} did not start within {timeout_s}s:\n{service.tail()}")
         time.sleep(0.05)
-    return json.loads(path.read_text())  # type: ignore[no-any-return]
+    ports: dict[str, int] = json.loads(path.read_text())
+    return ports

@@ -21,7 +21,9 @@ def free_port() -> int:
 class RedisServer:
     """Starts ``redis-server`` with append-only persistence; stops only the process it started."""
 
-    def __init__(self, data_dir: str | Path | None = None, port: int | None = None, appendfsync: str = "everysec") -> None:
+    def __init__(
+        self, data_dir: str | Path | None = None, port: int | None = None, appendfsync: str = "everysec"
+    ) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found: install it (apt-get install -y redis-server) or set redis.url")
@@ -30,9 +32,27 @@ class RedisServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                "--appendonly", "yes", "--appendfsync", appendfsync, "--save", "",
-                "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning"]
+        args = [
+            exe,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            appendfsync,
+            "--save",
+            "",
+            "--protected-mode",
+            "no",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+        ]
         self.log_path = self.dir / "redis.log"
         self._log = self.log_path.open("ab")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
@@ -54,7 +74,7 @@ class RedisServer:
                 time.sleep(0.02)
 
     def client(self, **kwargs: object) -> redis.Redis:
-        return redis.Redis.from_url(self.url, socket_timeout=10.0, **kwargs)  # type: ignore[arg-type]
+        return redis.Redis.from_url(self.url, socket_timeout=10.0, **kwargs)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -55,8 +55,19 @@ class RunKeys:
         return f"{self._group_prefix}{group_id}}}"
 
     def all_run_keys(self) -> list[str]:
-        return [self.version, self.counters, self.ready, self.consumed, self.staleness, self.dropped,
-                self.open, self.leases, self.generators, self.source, self.requeue]
+        return [
+            self.version,
+            self.counters,
+            self.ready,
+            self.consumed,
+            self.staleness,
+            self.dropped,
+            self.open,
+            self.leases,
+            self.generators,
+            self.source,
+            self.requeue,
+        ]
 
 
 # Hash fields inside a group key.
@@ -139,14 +150,14 @@ def unpack(kind: type[T], data: bytes) -> T:
     dec = _decoders.get(kind)
     if dec is None:
         dec = _decoders[kind] = msgspec.msgpack.Decoder(kind)
-    return dec.decode(data)  # type: ignore[no-any-return]
+    return dec.decode(data)
 
 
 _chunk_list = msgspec.msgpack.Decoder(list[Chunk])
 
 
 def unpack_chunks(data: bytes) -> list[Chunk]:
-    return _chunk_list.decode(data)  # type: ignore[no-any-return]
+    return _chunk_list.decode(data)
 
 
 # Atomically: drop every ready group older than v - η, then pop the n oldest remaining ready

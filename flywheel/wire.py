@@ -169,10 +169,17 @@ class ChunkBatch(Message, tag=True):
         _require(len(chunks) <= 65536, "chunks", "at most 65536 chunks per batch")
         for c in chunks:
             nbytes = len(c.tokens)
-            if (nbytes & 3 or len(c.logprobs) != nbytes or len(c.versions) != nbytes
-                    or c.lease_id < 0 or c.group_id < 0 or c.sample < 0 or not 0 <= c.seq < 1 << 24
-                    or (c.finish_reason is None and nbytes == 0)
-                    or (c.finish_reason is not None and c.finish_reason not in FINISH_REASONS)):
+            if (
+                nbytes & 3
+                or len(c.logprobs) != nbytes
+                or len(c.versions) != nbytes
+                or c.lease_id < 0
+                or c.group_id < 0
+                or c.sample < 0
+                or not 0 <= c.seq < 1 << 24
+                or (c.finish_reason is None and nbytes == 0)
+                or (c.finish_reason is not None and c.finish_reason not in FINISH_REASONS)
+            ):
                 self._locate_error()
         if not chunks:
             return
@@ -317,7 +324,9 @@ class WeightsReady(Message, tag=True):
         _check_nonneg(self.version, "version")
         for i, b in enumerate(self.buckets):
             k = len(b.names)
-            _require(len(b.shapes) == k and len(b.dtypes) == k, f"buckets[{i}]", "names, shapes, dtypes differ in length")
+            _require(
+                len(b.shapes) == k and len(b.dtypes) == k, f"buckets[{i}]", "names, shapes, dtypes differ in length"
+            )
         _require(self.transport in ("nccl", "gloo", "ipc"), "transport", "must be nccl, gloo or ipc")
 
 
@@ -365,7 +374,11 @@ class Decoder:
             # msgspec raises UnicodeDecodeError for invalid UTF-8 in a str field (seen by fuzzing)
             raise WireError("malformed", "<frame>", f"{type(err).__name__}: {err}") from None
         if msg.sv != SCHEMA_VERSION:
-            raise WireError("schema_version", "sv", f"peer speaks schema {msg.sv}, this build speaks {SCHEMA_VERSION}; run the same Flywheel version everywhere")
+            raise WireError(
+                "schema_version",
+                "sv",
+                f"peer speaks schema {msg.sv}, this build speaks {SCHEMA_VERSION}; run the same Flywheel version everywhere",
+            )
         msg.check()
         return msg
 

@@ -7,6 +7,7 @@ what makes a hub restart lose nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -41,16 +42,24 @@ class Inbox:
 
 
 class HubLink:
-    def __init__(self, address: str, generator_id: str, model: str, capacity: int,
-                 resend_after_s: float = 2.0, heartbeat_s: float = 0.5, hwm: int = 10000,
-                 max_unacked: int = 8192) -> None:
+    def __init__(
+        self,
+        address: str,
+        generator_id: str,
+        model: str,
+        capacity: int,
+        resend_after_s: float = 2.0,
+        heartbeat_s: float = 0.5,
+        hwm: int = 10000,
+        max_unacked: int = 8192,
+    ) -> None:
         self.generator_id = generator_id
         self.model = model
         self.capacity = capacity
         self.resend_after_s = resend_after_s
         self.max_unacked = max_unacked
         self.heartbeat_s = heartbeat_s
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, generator_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -63,16 +72,35 @@ class HubLink:
         self._last_resend_check = 0.0
         self.weight_version = 0
         self.lease_ids: set[int] = set()
+        self.ack_latency_s: list[float] = []  # send -> ack of each chunk: its chunk-to-durable time
+        self.resent = 0
 
     def register(self, weight_version: int) -> None:
         self.weight_version = weight_version
-        self._send(encode(Register(generator_id=self.generator_id, model=self.model, capacity=self.capacity, weight_version=weight_version)))
+        self._send(
+            encode(
+                Register(
+                    generator_id=self.generator_id,
+                    model=self.model,
+                    capacity=self.capacity,
+                    weight_version=weight_version,
+                )
+            )
+        )
 
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self._last_heartbeat >= self.heartbeat_s:
             self._last_heartbeat = now
-            self._send(encode(Heartbeat(generator_id=self.generator_id, weight_version=self.weight_version, lease_ids=sorted(self.lease_ids))))
+            self._send(
+                encode(
+                    Heartbeat(
+                        generator_id=self.generator_id,
+                        weight_version=self.weight_version,
+                        lease_ids=sorted(self.lease_ids),
+                    )
+                )
+            )
 
     def set_weight_version(self, version: int) -> None:
         if version != self.weight_version:
@@ -103,6 +131,7 @@ class HubLink:
             if now - sent < self.resend_after_s:
                 break
             due.append(c)
+        self.resent += len(due)
         for c in due:  # re-inserted at the end by send_chunks, keeping the order
             del self.unacked[(c.group_id, c.sample, c.seq)]
         for i in range(0, len(due), 256):
@@ -125,9 +154,18 @@ class HubLink:
                 log.warning("bad message from hub: %s", err)
                 continue
             if isinstance(msg, ChunkAck):
-                for key in zip(unpack_i64(msg.group_ids).tolist(), unpack_i32(msg.samples).tolist(), unpack_i32(msg.seqs).tolist(), strict=True):
-                    if self.unacked.pop(key, None) is not None:
+                now = time.monotonic()
+                for key in zip(
+                    unpack_i64(msg.group_ids).tolist(),
+                    unpack_i32(msg.samples).tolist(),
+                    unpack_i32(msg.seqs).tolist(),
+                    strict=True,
+                ):
+                    entry = self.unacked.pop(key, None)
+                    if entry is not None:
                         inbox.acked += 1
+                        if len(self.ack_latency_s) < 1_000_000:
+                            self.ack_latency_s.append(now - entry[1])
                 for rej in msg.rejected:
                     if self.unacked.pop((rej.group_id, rej.sample, rej.seq), None) is not None:
                         inbox.rejected += 1
@@ -143,10 +181,9 @@ class HubLink:
         self.lease_ids.discard(lease_id)
 
     def _send(self, payload: bytes) -> None:
-        try:
+        # at the high-water mark a frame is dropped: unacked chunks are resent, heartbeats repeat
+        with contextlib.suppress(zmq.Again):
             self.sock.send(payload, zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # at the high-water mark: unacked chunks are resent, heartbeats repeat
 
     def close(self) -> None:
         self.sock.close(linger=0)

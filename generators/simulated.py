@@ -34,8 +34,18 @@ class SimSample:
 
 
 class SimulatedGenerator:
-    def __init__(self, link: HubLink, seed: int, min_len: int, max_len: int, chunk_min: int, chunk_max: int,
-                 tokens_per_s: float | None = None, vocab: int = 512, version_key: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        link: HubLink,
+        seed: int,
+        min_len: int,
+        max_len: int,
+        chunk_min: int,
+        chunk_max: int,
+        tokens_per_s: float | None = None,
+        vocab: int = 512,
+        version_key: tuple[str, str] | None = None,
+    ) -> None:
         self.link = link
         self.rng = np.random.default_rng(seed)
         self.min_len, self.max_len = min_len, max_len
@@ -56,6 +66,8 @@ class SimulatedGenerator:
             self._redis = redis.Redis.from_url(version_key[0], socket_timeout=5.0)
             self._version_key = version_key[1]
         self._last_version_check = 0.0
+        self._warm_acks = 0  # latencies recorded before this index are warm-up
+        self.stats_after_s = 0.0
 
     def stop(self) -> None:
         self._stop = True
@@ -63,24 +75,46 @@ class SimulatedGenerator:
     def run(self, max_seconds: float | None = None) -> None:
         self.link.register(self._read_version())
         start = time.monotonic()
+        warm = False
         while not self._stop and (max_seconds is None or time.monotonic() - start < max_seconds):
-            busy = self.active and not self.link.window_full()
-            inbox = self.link.poll(0 if busy else 5)
+            if not warm and time.monotonic() - start >= self.stats_after_s:
+                warm, self._warm_acks = True, len(self.link.ack_latency_s)
+            # Wait on the socket, never in a sleep: acks and leases are read the moment they land.
+            wait_s = self._pace_delay(start) if self.active and not self.link.window_full() else 0.005
+            inbox = self.link.poll(int(wait_s * 1000))
             for lease in inbox.leases:
                 self._start(lease)
             for lease_id in inbox.revoked:
                 self._drop(lease_id)
-            if self.active and not self.link.window_full():
+            if self.active and not self.link.window_full() and self._pace_delay(start) == 0:
                 self._step()
             self.link.resend_due()
             self._follow_version()
             self.link.heartbeat()
-            self._pace(start)
+
+    def write_stats(self, path: str) -> None:
+        import json
+
+        lat = np.asarray(self.link.ack_latency_s[self._warm_acks :]) * 1000
+
+        def pct(q: float) -> float | None:
+            return float(np.percentile(lat, q)) if len(lat) else None
+
+        stats = {
+            "tokens_sent": self.tokens_sent,
+            "chunks_acked": len(lat),
+            "resent": self.link.resent,
+            "ack_ms_p50": pct(50),
+            "ack_ms_p99": pct(99),
+            "ack_ms_max": float(lat.max()) if len(lat) else None,
+        }
+        with open(path, "w") as f:
+            json.dump(stats, f)
 
     def _start(self, lease: Lease) -> None:
         cap = lease.sampling.max_tokens
         for s in lease.samples:
-            length = int(min(self.rng.integers(self.min_len, self.max_len + 1), cap))
+            length = min(int(self.rng.integers(self.min_len, self.max_len + 1)), cap)
             self.active[(lease.lease_id, s)] = SimSample(lease, s, length)
         self.remaining[lease.lease_id] = len(lease.samples)
 
@@ -102,9 +136,18 @@ class SimulatedGenerator:
             finish = None
             if done:
                 finish = "length" if s.length >= s.lease.sampling.max_tokens else "stop"
-            chunks.append(Chunk(lease_id=s.lease.lease_id, group_id=s.lease.group_id, sample=s.sample, seq=s.seq,
-                                tokens=self.token_pool[off : off + 4 * n], logprobs=self.logprob_pool[off : off + 4 * n],
-                                versions=self._version_bytes(n, version), finish_reason=finish))
+            chunks.append(
+                Chunk(
+                    lease_id=s.lease.lease_id,
+                    group_id=s.lease.group_id,
+                    sample=s.sample,
+                    seq=s.seq,
+                    tokens=self.token_pool[off : off + 4 * n],
+                    logprobs=self.logprob_pool[off : off + 4 * n],
+                    versions=self._version_bytes(n, version),
+                    finish_reason=finish,
+                )
+            )
             s.emitted += n
             s.seq += 1
             self.tokens_sent += n
@@ -136,11 +179,11 @@ class SimulatedGenerator:
             self._last_version_check = now
             self.link.set_weight_version(self._read_version())
 
-    def _pace(self, start: float) -> None:
-        if self.tokens_per_s:
-            ahead = self.tokens_sent / self.tokens_per_s - (time.monotonic() - start)
-            if ahead > 0:
-                time.sleep(min(ahead, 0.05))
+    def _pace_delay(self, start: float) -> float:
+        """Seconds until the next step is due at ``tokens_per_s`` (0: now, or unpaced)."""
+        if not self.tokens_per_s:
+            return 0.0
+        return max(0.0, min(self.tokens_sent / self.tokens_per_s - (time.monotonic() - start), 0.05))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--follow-redis", default=None, help="redis URL: follow the learner version (simulated weight sync)")
     p.add_argument("--run", default="flywheel", help="run name (for --follow-redis)")
     p.add_argument("--seconds", type=float, default=None)
+    p.add_argument("--stats-file", default=None, help="write tokens sent and chunk-to-durable latencies here at exit")
+    p.add_argument(
+        "--stats-after", type=float, default=0.0, help="only count latencies after this many seconds (warm-up)"
+    )
     args = p.parse_args(argv)
     from flywheel.logs import setup_logging
     from flywheel.store import RunKeys
@@ -164,12 +211,23 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(f"simgen-{args.id}")
     link = HubLink(args.hub, args.id, "simulated", args.capacity)
     version_key = (args.follow_redis, RunKeys(args.run).version) if args.follow_redis else None
-    gen = SimulatedGenerator(link, args.seed, args.min_len, args.max_len, args.chunk_min, args.chunk_max,
-                             args.tokens_per_s, version_key=version_key)
+    gen = SimulatedGenerator(
+        link,
+        args.seed,
+        args.min_len,
+        args.max_len,
+        args.chunk_min,
+        args.chunk_max,
+        args.tokens_per_s,
+        version_key=version_key,
+    )
+    gen.stats_after_s = args.stats_after
     signal.signal(signal.SIGTERM, lambda *_: gen.stop())
     signal.signal(signal.SIGINT, lambda *_: gen.stop())
     gen.run(args.seconds)
     link.close()
+    if args.stats_file:
+        gen.write_stats(args.stats_file)
     return 0
 
 

@@ -32,12 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         path = cfg.reward.tokenizer or cfg.data.tokenizer
         if path is None:
-            print("flywheel-reward: exact_match decodes responses: set reward.tokenizer or data.tokenizer", file=sys.stderr)
+            print(
+                "flywheel-reward: exact_match decodes responses: set reward.tokenizer or data.tokenizer",
+                file=sys.stderr,
+            )
             return 2
         from transformers import AutoTokenizer
 
         fn = exact_match_reward(AutoTokenizer.from_pretrained(path))
-    worker = RewardWorker(cfg.reward.hub_address, f"reward-{socket.gethostname()}-{os.getpid()}", cfg.reward.capacity, fn)
+    worker = RewardWorker(
+        cfg.reward.hub_address, f"reward-{socket.gethostname()}-{os.getpid()}", cfg.reward.capacity, fn
+    )
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     signal.signal(signal.SIGINT, lambda *_: worker.stop())
     worker.run()

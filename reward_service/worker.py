@@ -23,7 +23,7 @@ class RewardWorker:
         self.capacity = capacity
         self.fn = fn
         self.heartbeat_s = heartbeat_s
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
@@ -65,7 +65,14 @@ class RewardWorker:
             reward, breakdown, error = 0.0, {}, f"{type(err).__name__}: {err}"
             log.warning("reward failed for (group %d, sample %d): %s", req.group_id, req.sample, error)
         self.scored += 1
-        return Score(worker_id=self.worker_id, group_id=req.group_id, sample=req.sample, reward=reward, breakdown=breakdown, error=error)
+        return Score(
+            worker_id=self.worker_id,
+            group_id=req.group_id,
+            sample=req.sample,
+            reward=reward,
+            breakdown=breakdown,
+            error=error,
+        )
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -40,8 +40,20 @@ class Cluster:
     def __init__(self, tmp: Path, redis_server: RedisServer, tokenizer: Path, prompts: Path) -> None:
         self.tmp = tmp
         self.redis = redis_server
-        self.base = ["--redis.url", redis_server.url, "--data.path", str(prompts), "--data.tokenizer", str(tokenizer),
-                     "--hub.host", "127.0.0.1", "--hub.metrics_port", "0", "--hub.stats_interval_s", "1"]
+        self.base = [
+            "--redis.url",
+            redis_server.url,
+            "--data.path",
+            str(prompts),
+            "--data.tokenizer",
+            str(tokenizer),
+            "--hub.host",
+            "127.0.0.1",
+            "--hub.metrics_port",
+            "0",
+            "--hub.stats_interval_s",
+            "1",
+        ]
         self.services: list[Service] = []
         self.ports: dict[str, int] = {}
         self.hub: Service | None = None
@@ -57,8 +69,16 @@ class Cluster:
         state = self.tmp / f"{self._name('hub')}.json"
         ports = ports or {"generator_port": 0, "reward_port": 0}
         self._hub_args = list(overrides)
-        args = [*self.base, "--hub.generator_port", str(ports["generator_port"]), "--hub.reward_port", str(ports["reward_port"]),
-                "--hub.state_file", str(state), *overrides]
+        args = [
+            *self.base,
+            "--hub.generator_port",
+            str(ports["generator_port"]),
+            "--hub.reward_port",
+            str(ports["reward_port"]),
+            "--hub.state_file",
+            str(state),
+            *overrides,
+        ]
         self.hub = Service(state.stem, "buffer", args, self.tmp, env={"PYTHONPATH": str(ROOT)})
         self.services.append(self.hub)
         self.ports = wait_for_state_file(state, self.hub, timeout_s=90)
@@ -73,16 +93,32 @@ class Cluster:
         return f"tcp://127.0.0.1:{self.ports['reward_port']}"
 
     def start_simgen(self, gen_id: str, *args: str, run: str = "flywheel") -> Service:
-        svc = Service(self._name(f"simgen-{gen_id}-"), "generators.simulated",
-                      ["--hub", self.gen_address, "--id", gen_id, "--follow-redis", self.redis.url, "--run", run, *args],
-                      self.tmp, env={"PYTHONPATH": str(ROOT)})
+        svc = Service(
+            self._name(f"simgen-{gen_id}-"),
+            "generators.simulated",
+            ["--hub", self.gen_address, "--id", gen_id, "--follow-redis", self.redis.url, "--run", run, *args],
+            self.tmp,
+            env={"PYTHONPATH": str(ROOT)},
+        )
         self.services.append(svc)
         return svc
 
     def start_reward(self, *overrides: str) -> Service:
-        svc = Service(self._name("reward"), "reward_service",
-                      [*self.base, "--reward.function", "length", *self._hub_args, *overrides, "--reward.hub_address", self.reward_address],
-                      self.tmp, env={"PYTHONPATH": str(ROOT)})
+        svc = Service(
+            self._name("reward"),
+            "reward_service",
+            [
+                *self.base,
+                "--reward.function",
+                "length",
+                *self._hub_args,
+                *overrides,
+                "--reward.hub_address",
+                self.reward_address,
+            ],
+            self.tmp,
+            env={"PYTHONPATH": str(ROOT)},
+        )
         self.services.append(svc)
         return svc
 
@@ -102,7 +138,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
 
 
 @pytest.fixture
-def cluster(request: pytest.FixtureRequest, tmp_path: Path, redis_server: RedisServer, tokenizer_dir: Path, prompts_jsonl: Path) -> Iterator[Cluster]:
+def cluster(
+    request: pytest.FixtureRequest, tmp_path: Path, redis_server: RedisServer, tokenizer_dir: Path, prompts_jsonl: Path
+) -> Iterator[Cluster]:
     c = Cluster(tmp_path, redis_server, tokenizer_dir, prompts_jsonl)
     yield c
     c.stop()

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from flywheel.wire import Chunk, Lease, pack_f32, pack_i32
-from generators.hub_link import Inbox, HubLink
+from generators.hub_link import HubLink, Inbox
 
 
 def tokens_of(group: int, sample: int, seq: int, n: int = 4) -> list[int]:
@@ -21,11 +21,20 @@ def expected_sample(group: int, sample: int, n_chunks: int, n: int = 4) -> list[
     return [t for seq in range(n_chunks) for t in tokens_of(group, sample, seq, n)]
 
 
-def make_chunk(lease: Lease, sample: int, seq: int, version: int, final: bool, n: int = 4, group: int | None = None) -> Chunk:
+def make_chunk(
+    lease: Lease, sample: int, seq: int, version: int, final: bool, n: int = 4, group: int | None = None
+) -> Chunk:
     g = lease.group_id if group is None else group
-    return Chunk(lease_id=lease.lease_id, group_id=g, sample=sample, seq=seq,
-                 tokens=pack_i32(tokens_of(g, sample, seq, n)), logprobs=pack_f32(np.full(n, -0.5)),
-                 versions=pack_i32(np.full(n, version)), finish_reason="stop" if final else None)
+    return Chunk(
+        lease_id=lease.lease_id,
+        group_id=g,
+        sample=sample,
+        seq=seq,
+        tokens=pack_i32(tokens_of(g, sample, seq, n)),
+        logprobs=pack_f32(np.full(n, -0.5)),
+        versions=pack_i32(np.full(n, version)),
+        finish_reason="stop" if final else None,
+    )
 
 
 class HandGenerator:

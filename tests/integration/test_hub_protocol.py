@@ -26,7 +26,9 @@ def pump_until(gen: HandGenerator, predicate, what: str, timeout_s: float = 15.0
 
 
 def metrics(cluster: Cluster) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{cluster.ports['metrics_port']}/metrics", timeout=5).read().decode()
+    body = (
+        urllib.request.urlopen(f"http://127.0.0.1:{cluster.ports['metrics_port']}/metrics", timeout=5).read().decode()
+    )
     out = {}
     for line in body.splitlines():
         m = re.match(r"^(flywheel_hub_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
@@ -40,8 +42,16 @@ def rejected(cluster: Cluster, reason: str) -> float:
 
 
 def test_garbage_is_counted_and_the_hub_keeps_serving(cluster: Cluster) -> None:
-    cluster.start_hub("--hub.max_message_bytes", "65536", "--async.groups_per_step", "2", "--data.n_samples_per_prompt", "2",
-                      "--hub.reject_log_interval_s", "60")
+    cluster.start_hub(
+        "--hub.max_message_bytes",
+        "65536",
+        "--async.groups_per_step",
+        "2",
+        "--data.n_samples_per_prompt",
+        "2",
+        "--hub.reject_log_interval_s",
+        "60",
+    )
     # A well-behaved generator first: what it gets acknowledged must survive the garbage.
     good = HandGenerator(cluster.gen_address, "good")
     good.register()
@@ -60,11 +70,17 @@ def test_garbage_is_counted_and_the_hub_keeps_serving(cluster: Cluster) -> None:
     evil.send(b"\x00" * 100_000)  # oversized
     evil.send_multipart([b"a", b"b"])  # three frames at the ROUTER
     evil.send(encode(make_chunk(lease, 1, 0, version=0, final=False, group=lease.group_id + 1000)))  # unknown lease
-    positive_logprobs = msgspec.structs.replace(make_chunk(lease, 1, 0, version=0, final=False), logprobs=pack_f32([1, 1, 1, 1]))
+    positive_logprobs = msgspec.structs.replace(
+        make_chunk(lease, 1, 0, version=0, final=False), logprobs=pack_f32([1, 1, 1, 1])
+    )
     evil.send(encode(positive_logprobs))
     evil.send(encode(Score(worker_id="x", group_id=0, sample=0, reward=1.0)))  # a Score on the generator port
 
-    wait_until(lambda: rejected(cluster, "oversized") >= 1 and rejected(cluster, "unknown_lease") >= 1, 10, "rejections counted")
+    wait_until(
+        lambda: rejected(cluster, "oversized") >= 1 and rejected(cluster, "unknown_lease") >= 1,
+        10,
+        "rejections counted",
+    )
     assert rejected(cluster, "malformed") >= 52
     assert rejected(cluster, "invalid_field") >= 1
     assert rejected(cluster, "wrong_socket") >= 1
@@ -86,8 +102,16 @@ def test_garbage_is_counted_and_the_hub_keeps_serving(cluster: Cluster) -> None:
 
 
 def test_dead_generator_lease_is_reissued_for_unfinished_samples(cluster: Cluster) -> None:
-    cluster.start_hub("--hub.generator_timeout_s", "1.5", "--data.n_samples_per_prompt", "2",
-                      "--async.groups_per_step", "1", "--async.max_staleness", "0")
+    cluster.start_hub(
+        "--hub.generator_timeout_s",
+        "1.5",
+        "--data.n_samples_per_prompt",
+        "2",
+        "--async.groups_per_step",
+        "1",
+        "--async.max_staleness",
+        "0",
+    )
     a = HandGenerator(cluster.gen_address, "gen-a")
     a.register()
     lease = a.wait_lease()
@@ -119,8 +143,16 @@ def test_dead_generator_lease_is_reissued_for_unfinished_samples(cluster: Cluste
 
 
 def test_lease_past_its_deadline_is_revoked_and_reissued(cluster: Cluster) -> None:
-    cluster.start_hub("--hub.lease_timeout_s", "1.0", "--data.n_samples_per_prompt", "1", "--async.groups_per_step", "1",
-                      "--async.max_staleness", "0")
+    cluster.start_hub(
+        "--hub.lease_timeout_s",
+        "1.0",
+        "--data.n_samples_per_prompt",
+        "1",
+        "--async.groups_per_step",
+        "1",
+        "--async.max_staleness",
+        "0",
+    )
     g = HandGenerator(cluster.gen_address, "slow")
     g.register()
     lease = g.wait_lease()
@@ -170,8 +202,15 @@ def test_metrics_endpoint_reports_queues_and_rates(cluster: Cluster) -> None:
     cluster.start_reward()
     wait_until(lambda: metrics(cluster).get("flywheel_hub_groups_ready_total", 0) >= 2, 30, "groups ready")
     m = metrics(cluster)
-    for key in ("flywheel_hub_open_groups", "flywheel_hub_active_leases", "flywheel_hub_ready_groups", "flywheel_hub_learner_version",
-                "flywheel_hub_tokens_in_total", "flywheel_hub_leases_reissued_total", "flywheel_hub_groups_dropped_total"):
+    for key in (
+        "flywheel_hub_open_groups",
+        "flywheel_hub_active_leases",
+        "flywheel_hub_ready_groups",
+        "flywheel_hub_learner_version",
+        "flywheel_hub_tokens_in_total",
+        "flywheel_hub_leases_reissued_total",
+        "flywheel_hub_groups_dropped_total",
+    ):
         assert key in m, key
     assert m["flywheel_hub_tokens_in_total"] > 0
     keys = RunKeys("flywheel")

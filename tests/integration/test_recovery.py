@@ -62,8 +62,18 @@ class Streamer:
 
 
 def test_kill9_hub_mid_stream_loses_nothing_acknowledged(cluster: Cluster) -> None:
-    args = ("--async.max_staleness", "1000", "--async.groups_per_step", "2", "--data.n_samples_per_prompt", str(N_SAMPLES),
-            "--hub.generator_timeout_s", "20", "--data.epochs", "3")
+    args = (
+        "--async.max_staleness",
+        "1000",
+        "--async.groups_per_step",
+        "2",
+        "--data.n_samples_per_prompt",
+        str(N_SAMPLES),
+        "--hub.generator_timeout_s",
+        "20",
+        "--data.epochs",
+        "3",
+    )
     ports = cluster.start_hub(*args)
     gen = HandGenerator(cluster.gen_address, "streamer", capacity=6, resend_after_s=0.3)
     gen.register()
@@ -78,8 +88,9 @@ def test_kill9_hub_mid_stream_loses_nothing_acknowledged(cluster: Cluster) -> No
             for group in client._load(pairs, 0):
                 served.append(group.group_id)
                 for s, sample in enumerate(group.samples):
-                    assert sample.tokens.tolist() == expected_sample(group.group_id, s, chunks_in_sample(group.group_id, s)), \
-                        f"group {group.group_id} sample {s} corrupted"
+                    assert sample.tokens.tolist() == expected_sample(
+                        group.group_id, s, chunks_in_sample(group.group_id, s)
+                    ), f"group {group.group_id} sample {s} corrupted"
 
     deadline = time.monotonic() + 20
     while len(served) < 10:
@@ -94,7 +105,9 @@ def test_kill9_hub_mid_stream_loses_nothing_acknowledged(cluster: Cluster) -> No
     cluster.start_hub(*args, ports=ports)
     deadline = time.monotonic() + 60
     while not acked_before_kill <= set(served):
-        assert time.monotonic() < deadline, f"groups acknowledged before the crash never served: {sorted(acked_before_kill - set(served))}"
+        assert time.monotonic() < deadline, (
+            f"groups acknowledged before the crash never served: {sorted(acked_before_kill - set(served))}"
+        )
         streamer.turn()
         consume()
     assert len(served) == len(set(served)), "a group was served twice"
@@ -117,8 +130,16 @@ def _race(url: str, out: str, target: int, seed: int, barrier: Any) -> None:
 
 
 def test_two_racing_consumers_never_get_the_same_group(cluster: Cluster, tmp_path: Path) -> None:
-    cluster.start_hub("--async.max_staleness", "1000", "--async.groups_per_step", "4", "--data.n_samples_per_prompt", "1",
-                      "--data.epochs", "20")
+    cluster.start_hub(
+        "--async.max_staleness",
+        "1000",
+        "--async.groups_per_step",
+        "4",
+        "--data.n_samples_per_prompt",
+        "1",
+        "--data.epochs",
+        "20",
+    )
     for i in range(2):
         cluster.start_simgen(f"sim{i}", "--min-len", "4", "--max-len", "12", "--capacity", "16", "--seed", str(i))
     cluster.start_reward()

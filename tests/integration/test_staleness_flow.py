@@ -16,10 +16,30 @@ GPS = 2  # groups per step
 
 @pytest.mark.parametrize("eta", [0, 1, 4])
 def test_admission_bounds_staleness(cluster: Cluster, eta: int) -> None:
-    cluster.start_hub("--async.max_staleness", str(eta), "--async.groups_per_step", str(GPS),
-                      "--data.n_samples_per_prompt", "2", "--data.epochs", "10")
+    cluster.start_hub(
+        "--async.max_staleness",
+        str(eta),
+        "--async.groups_per_step",
+        str(GPS),
+        "--data.n_samples_per_prompt",
+        "2",
+        "--data.epochs",
+        "10",
+    )
     for i in range(2):
-        cluster.start_simgen(f"sim{i}", "--min-len", "8", "--max-len", "40", "--tokens-per-s", "4000", "--capacity", "4", "--seed", str(i))
+        cluster.start_simgen(
+            f"sim{i}",
+            "--min-len",
+            "8",
+            "--max-len",
+            "40",
+            "--tokens-per-s",
+            "4000",
+            "--capacity",
+            "4",
+            "--seed",
+            str(i),
+        )
     cluster.start_reward()
     client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(eta, GPS))
     staleness: list[int] = []
@@ -48,8 +68,18 @@ def test_admission_bounds_staleness(cluster: Cluster, eta: int) -> None:
 
 @pytest.mark.parametrize("requeue", [True, False])
 def test_too_stale_groups_are_dropped_and_requeued(cluster: Cluster, requeue: bool) -> None:
-    cluster.start_hub("--async.max_staleness", "1", "--async.groups_per_step", str(GPS), "--data.n_samples_per_prompt", "2",
-                      "--async.requeue_stale", str(requeue).lower(), "--data.shuffle", "false")
+    cluster.start_hub(
+        "--async.max_staleness",
+        "1",
+        "--async.groups_per_step",
+        str(GPS),
+        "--data.n_samples_per_prompt",
+        "2",
+        "--async.requeue_stale",
+        str(requeue).lower(),
+        "--data.shuffle",
+        "false",
+    )
     cluster.start_simgen("sim", "--min-len", "8", "--max-len", "16", "--tokens-per-s", "20000", "--capacity", "8")
     cluster.start_reward()
     client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(1, GPS))

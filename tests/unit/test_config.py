@@ -20,8 +20,17 @@ def test_defaults_validate() -> None:
 
 
 def test_dotted_overrides_parse_yaml_scalars() -> None:
-    cfg = load_config(["--async.max_staleness", "4", "--async.requeue_stale=false", "--data.metadata_keys", "[a, b]",
-                       "--rollout.temperature", "0.5"])
+    cfg = load_config(
+        [
+            "--async.max_staleness",
+            "4",
+            "--async.requeue_stale=false",
+            "--data.metadata_keys",
+            "[a, b]",
+            "--rollout.temperature",
+            "0.5",
+        ]
+    )
     assert cfg.async_.max_staleness == 4
     assert cfg.async_.requeue_stale is False
     assert cfg.data.metadata_keys == ["a", "b"]
@@ -79,9 +88,11 @@ def test_reference_lists_every_field_with_a_description() -> None:
 
 @pytest.mark.parametrize("module", ["buffer", "reward_service", "flywheel.cli"])
 def test_help_answers_without_importing_torch(module: str) -> None:
-    code = (f"import sys, runpy; sys.argv = ['x', '--help']\n"
-            f"try:\n    runpy.run_module('{module}', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import before config'\n")
+    code = (
+        f"import sys, runpy; sys.argv = ['x', '--help']\n"
+        f"try:\n    runpy.run_module('{module}', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import before config'\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "usage" in out.stdout

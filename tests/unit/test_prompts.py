@@ -43,7 +43,9 @@ def test_seeded_shuffle_per_epoch(sources: dict[str, Path], tokenizer_dir: Path)
     assert sorted(a.order(0).tolist()) == list(range(20))
     assert a.order(0).tolist() != a.order(1).tolist()  # a new permutation each epoch
     assert a.exhausted(2) and not a.exhausted(1)
-    plain = PromptSource.from_config(DataConfig(path=str(sources["jsonl"]), tokenizer=str(tokenizer_dir), shuffle=False))
+    plain = PromptSource.from_config(
+        DataConfig(path=str(sources["jsonl"]), tokenizer=str(tokenizer_dir), shuffle=False)
+    )
     assert plain.order(0).tolist() == list(range(20))
 
 
@@ -52,10 +54,14 @@ def test_tokenize_chat_template_truncation_metadata(sources: dict[str, Path], to
     p = base.prompt(0, 0)
     assert p.metadata == {"answer": ROWS[0]["answer"]}
     assert base.tokenizer.decode(p.tokens.tolist()) == ROWS[0]["prompt"]
-    chat = PromptSource.from_config(DataConfig(path=str(sources["jsonl"]), tokenizer=str(tokenizer_dir), apply_chat_template=True))
+    chat = PromptSource.from_config(
+        DataConfig(path=str(sources["jsonl"]), tokenizer=str(tokenizer_dir), apply_chat_template=True)
+    )
     text = chat.tokenizer.decode(chat.prompt(0, 0).tokens.tolist())
     assert text.startswith("<s>user: " + ROWS[0]["prompt"]) and text.endswith("assistant:")
-    short = PromptSource.from_config(DataConfig(path=str(sources["jsonl"]), tokenizer=str(tokenizer_dir), max_prompt_tokens=3))
+    short = PromptSource.from_config(
+        DataConfig(path=str(sources["jsonl"]), tokenizer=str(tokenizer_dir), max_prompt_tokens=3)
+    )
     assert len(short.prompt(0, 0).tokens) == 3 and short.truncated == 1
 
 

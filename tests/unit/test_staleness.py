@@ -31,7 +31,14 @@ def test_min_version_never_negative() -> None:
 
 def test_lifecycle() -> None:
     s = GroupState.ISSUED
-    for nxt in (GroupState.GENERATING, GroupState.GENERATING, GroupState.COMPLETE, GroupState.SCORED, GroupState.READY, GroupState.CONSUMED):
+    for nxt in (
+        GroupState.GENERATING,
+        GroupState.GENERATING,
+        GroupState.COMPLETE,
+        GroupState.SCORED,
+        GroupState.READY,
+        GroupState.CONSUMED,
+    ):
         s = advance(s, nxt)
     assert advance(GroupState.READY, GroupState.DROPPED) is GroupState.DROPPED
     with pytest.raises(AssertionError, match="illegal group transition"):

@@ -42,8 +42,15 @@ ANY = ToHub | ToGenerator | ScoreRequest | WeightsReady | WeightsAck
 
 
 def chunk(**over: object) -> Chunk:
-    fields: dict[str, object] = dict(lease_id=3, group_id=7, sample=1, seq=0, tokens=pack_i32([5, 6, 7]),
-                                     logprobs=pack_f32([-0.1, -2.0, 0.0]), versions=pack_i32([4, 4, 5]))
+    fields: dict[str, object] = dict(
+        lease_id=3,
+        group_id=7,
+        sample=1,
+        seq=0,
+        tokens=pack_i32([5, 6, 7]),
+        logprobs=pack_f32([-0.1, -2.0, 0.0]),
+        versions=pack_i32([4, 4, 5]),
+    )
     fields.update(over)
     return Chunk(**fields)  # type: ignore[arg-type]
 
@@ -54,17 +61,38 @@ EXAMPLES = [
     chunk(),
     chunk(finish_reason="stop", seq=9),
     ChunkBatch(generator_id="gen-0", chunks=[chunk(), chunk(seq=1, finish_reason="length")]),
-    Lease(lease_id=1, group_id=2, prompt_tokens=pack_i32([1, 2]), samples=[0, 1, 2, 3],
-          sampling=SamplingParams(max_tokens=16, temperature=0.7), min_version=2, deadline=1e9),
-    ChunkAck(group_ids=pack_i64([1, 2]), samples=pack_i32([0, 1]), seqs=pack_i32([5, 6]),
-             rejected=[ChunkRejection(group_id=9, sample=0, seq=0, reason="unknown_lease")]),
+    Lease(
+        lease_id=1,
+        group_id=2,
+        prompt_tokens=pack_i32([1, 2]),
+        samples=[0, 1, 2, 3],
+        sampling=SamplingParams(max_tokens=16, temperature=0.7),
+        min_version=2,
+        deadline=1e9,
+    ),
+    ChunkAck(
+        group_ids=pack_i64([1, 2]),
+        samples=pack_i32([0, 1]),
+        seqs=pack_i32([5, 6]),
+        rejected=[ChunkRejection(group_id=9, sample=0, seq=0, reason="unknown_lease")],
+    ),
     Revoke(lease_ids=[4]),
     RewardRegister(worker_id="rw", capacity=4),
-    ScoreRequest(group_id=1, sample=0, prompt_tokens=pack_i32([1]), response_tokens=pack_i32([2, 3]),
-                 finish_reason="stop", metadata={"answer": "8", "n": 3}),
+    ScoreRequest(
+        group_id=1,
+        sample=0,
+        prompt_tokens=pack_i32([1]),
+        response_tokens=pack_i32([2, 3]),
+        finish_reason="stop",
+        metadata={"answer": "8", "n": 3},
+    ),
     Score(worker_id="rw", group_id=1, sample=0, reward=1.0, breakdown={"format": 1.0}),
-    WeightsReady(version=5, transport="gloo", deadline=1e9,
-                 buckets=[BucketLayout(names=["w"], shapes=[[2, 3]], dtypes=["float32"], nbytes=24)]),
+    WeightsReady(
+        version=5,
+        transport="gloo",
+        deadline=1e9,
+        buckets=[BucketLayout(names=["w"], shapes=[[2, 3]], dtypes=["float32"], nbytes=24)],
+    ),
     WeightsAck(generator_id="gen-0", version=5),
 ]
 
@@ -110,7 +138,11 @@ def _mutated(msg: object, **changes: object) -> bytes:
         (_mutated(chunk(), seq=-1), "invalid_field", "seq"),
         (_mutated(chunk(), finish_reason="exploded"), "invalid_field", "finish_reason"),
         (_mutated(chunk(), tokens=b"", logprobs=b"", versions=b""), "invalid_field", "tokens"),
-        (_mutated(Register(generator_id="g", model="m", capacity=1, weight_version=0), capacity=0), "invalid_field", "capacity"),
+        (
+            _mutated(Register(generator_id="g", model="m", capacity=1, weight_version=0), capacity=0),
+            "invalid_field",
+            "capacity",
+        ),
         (_mutated(Score(worker_id="w", group_id=1, sample=0, reward=0.0), reward=math.inf), "invalid_field", "reward"),
     ],
 )

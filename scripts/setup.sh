@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One setup path for a fresh Debian/Ubuntu machine with Python 3.11:
+#   a virtualenv in .venv, the pinned CPU stack, Flywheel itself, and redis-server from apt.
+# Idempotent: re-running only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+"$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Flywheel needs Python 3.11, found {sys.version}"'
+
+if ! command -v redis-server >/dev/null; then
+  echo "== installing redis-server (apt)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+  # the package starts a system-wide server we do not use: every run starts its own
+  ($SUDO systemctl disable --now redis-server >/dev/null 2>&1 || $SUDO service redis-server stop >/dev/null 2>&1) || true
+fi
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=".venv/bin/pip"
+if ! .venv/bin/python -c 'import torch, sys; sys.exit(not torch.__version__.startswith("2.13.0"))' 2>/dev/null; then
+  echo "== installing torch 2.13.0"
+  # First, and alone, so nothing later pulls another build. Where no local CPU wheel exists, set
+  # TORCH_INDEX=https://download.pytorch.org/whl/cpu to get the CPU build instead of PyPI's CUDA one.
+  $PIP install -q --disable-pip-version-check "torch==2.13.0" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
+fi
+echo "== installing the pinned stack (requirements/cpu.lock)"
+$PIP install -q --disable-pip-version-check --no-deps -r requirements/cpu.lock
+$PIP install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+.venv/bin/python -c 'import flywheel, buffer, generators, reward_service, zmq, redis, msgspec; print("flywheel", flywheel.__version__, "ready in .venv")'
