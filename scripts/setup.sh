@@ -4,6 +4,9 @@
 # Idempotent: re-running only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# pip repeats a warning for every package when an index in the machine's pip config is an empty
+# local folder; keep the output readable (real errors still come through)
+exec 2> >(grep -v "^WARNING: Location 'file://" >&2)
 
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3

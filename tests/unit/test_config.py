@@ -96,3 +96,10 @@ def test_help_answers_without_importing_torch(module: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "usage" in out.stdout
+
+
+def test_readme_config_reference_is_current() -> None:
+    readme = (ROOT / "README.md").read_text()
+    begin = readme.index("<!-- config:begin")
+    body = readme[readme.index("\n", begin) + 1 : readme.index("<!-- config:end -->")].strip()
+    assert body == reference_markdown(), "README config reference is stale: paste `flywheel config --markdown`"
