@@ -524,7 +524,7 @@ class Hub:
                 index = unpack(GroupMeta, raw).prompt_index
                 self.requeued_prompts.append(index)
                 self._pipe.rpush(self.keys.requeue, index)
-            self._pipe.delete(self.keys.group(int(gid)))
+            self._pipe.unlink(self.keys.group(int(gid)))
         log.info("%d groups dropped as too stale (requeue=%s)", len(gids), self.cfg.async_.requeue_stale)
 
     def _expire(self, now: float) -> None:

@@ -64,6 +64,9 @@ class Batch:
     staleness: list[int] = field(default_factory=list)
 
 
+LOAD_GROUPS_PER_CALL = 4
+
+
 class BatchTimeout(TimeoutError):
     pass
 
@@ -114,12 +117,16 @@ class BatchClient:
         return Batch(learner_version, groups, dropped_total, time.monotonic() - start, [g.staleness for g in groups])
 
     def _load(self, pairs: list[tuple[int, int]], learner_version: int) -> list[RolloutGroup]:
-        pipe = self.redis.pipeline(transaction=False)
-        for gid, _ in pairs:
-            pipe.hgetall(self.keys.group(gid))
-        for gid, _ in pairs:
-            pipe.delete(self.keys.group(gid))  # consumed: the data is ours now
-        raw_groups = pipe.execute()[: len(pairs)]
+        raw_groups = []
+        # A few groups per round trip: one huge reply would stall Redis (single-threaded) and
+        # with it the hub's writes. UNLINK frees the consumed data off Redis's main thread.
+        for i in range(0, len(pairs), LOAD_GROUPS_PER_CALL):
+            pipe = self.redis.pipeline(transaction=False)
+            part = pairs[i : i + LOAD_GROUPS_PER_CALL]
+            for gid, _ in part:
+                pipe.hgetall(self.keys.group(gid))
+            pipe.unlink(*[self.keys.group(gid) for gid, _ in part])  # consumed: the data is ours now
+            raw_groups += pipe.execute()[: len(part)]
         out = []
         for (gid, version), raw in zip(pairs, raw_groups, strict=True):
             assert META in raw, f"group {gid} was ready but has no data"
