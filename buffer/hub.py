@@ -379,10 +379,8 @@ class Hub:
 
     def _complete_sample(self, group: OpenGroup, index: int, lease: ActiveLease) -> None:
         sample = group.samples[index]
-        stored = sample.assemble()
-        gkey = self.keys.group(group.meta.group_id)
-        self._pipe.hset(gkey, sample_field(index), pack(stored))
-        self._delete_blobs(gkey, sample.take_blobs())
+        done = sample.complete()
+        self._pipe.hset(self.keys.group(group.meta.group_id), sample_field(index), pack(done))
         self.stats.samples_completed += 1
         self.score_queue.append((group.meta.group_id, index))
         if all(group.samples[s].done is not None for s in lease.record.samples):
@@ -428,6 +426,7 @@ class Hub:
             return
         score = StoredScore(reward=msg.reward, breakdown=msg.breakdown, error=msg.error)
         group.samples[msg.sample].score = score
+        group.samples[msg.sample].response = None  # scored: the hub no longer needs the tokens
         self.stats.scores_in += 1
         gid = group.meta.group_id
         self._pipe.hset(self.keys.group(gid), score_field(msg.sample), pack(score))
@@ -472,14 +471,14 @@ class Hub:
                 group = self.groups.get(gid)
                 if group is None or group.samples[index].score is not None:
                     continue
-                stored = group.samples[index].done
-                assert stored is not None
+                sample = group.samples[index]
+                assert sample.done is not None and sample.response is not None
                 req = ScoreRequest(
                     group_id=gid,
                     sample=index,
                     prompt_tokens=group.meta.prompt_tokens,
-                    response_tokens=stored.tokens,
-                    finish_reason=stored.finish_reason,
+                    response_tokens=sample.response,
+                    finish_reason=sample.done.finish_reason,
                     metadata=group.meta.metadata,
                 )
                 worker.inflight.add((gid, index))

@@ -18,12 +18,12 @@ from flywheel.store import (
     GeneratorRecord,
     GroupMeta,
     LeaseRecord,
-    StoredSample,
+    SampleDone,
     StoredScore,
+    assemble,
+    chunks_by_sample,
     unpack,
-    unpack_chunks,
 )
-from flywheel.wire import unpack_i32
 
 log = logging.getLogger(__name__)
 
@@ -95,23 +95,25 @@ def _load_group(hub: Hub, gid: int) -> OpenGroup | None:
     samples = [SampleAssembly(lease_id=-1) for _ in range(meta.n_samples)]
     for field, value in raw.items():
         kind, _, rest = field.partition(b":")
-        if kind == b"s":
-            sample = samples[int(rest)]
-            sample.done = unpack(StoredSample, value)
-            sample.lease_id = sample.done.lease_id
-            v = unpack_i32(sample.done.versions)
-            sample.version = int(v.min()) if len(v) else 0
+        if kind == b"c":
+            samples[int(rest.split(b":")[0])].blobs.append(field)
+        elif kind == b"s":
+            done = samples[int(rest)].done = unpack(SampleDone, value)
+            samples[int(rest)].lease_id = done.lease_id
+            samples[int(rest)].final_seq = done.n_chunks - 1
         elif kind == b"r":
             samples[int(rest)].score = unpack(StoredScore, value)
-    for field, value in raw.items():
-        if not field.startswith(b"c:"):
+    stored = chunks_by_sample(raw)
+    for index, sample in enumerate(samples):
+        chunks = stored.get(index, {})
+        if sample.done is not None:
+            if sample.score is None:  # complete but unscored: score it again
+                sample.response = assemble(chunks, sample.done.n_chunks).tokens
+                hub.score_queue.append((gid, index))
             continue
-        sample = samples[int(field.split(b":")[1])]
-        assert sample.done is None, f"group {gid}: chunks left beside a completed sample"
-        sample.blobs.append(field)
-        for chunk in unpack_chunks(value):
+        sample.chunks = chunks
+        for chunk in chunks.values():
             sample.lease_id = chunk.lease_id
-            sample.chunks[chunk.seq] = chunk
             if chunk.finish_reason is not None:
                 sample.final_seq = chunk.seq
     group = OpenGroup(meta, samples)
@@ -119,7 +121,4 @@ def _load_group(hub: Hub, gid: int) -> OpenGroup | None:
         group.move(GroupState.GENERATING)
         if group.all_done():
             group.move(GroupState.COMPLETE)
-    for index, sample in enumerate(samples):
-        if sample.done is not None and sample.score is None:
-            hub.score_queue.append((gid, index))
     return group

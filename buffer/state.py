@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flywheel.staleness import GroupState, advance
-from flywheel.store import GeneratorRecord, GroupMeta, LeaseRecord, StoredSample, StoredScore
+from flywheel.store import GeneratorRecord, GroupMeta, LeaseRecord, SampleDone, StoredScore, assemble
 from flywheel.wire import Chunk, unpack_i32
 
 
@@ -18,41 +18,41 @@ class SampleAssembly:
     pending: list[Chunk] = field(default_factory=list)  # accepted this turn, not yet in Redis
     blobs: list[bytes] = field(default_factory=list)  # Redis fields holding its earlier chunks
     final_seq: int | None = None
-    done: StoredSample | None = None  # set once every chunk up to the final one is in
-    version: int = -1  # oldest token version, once done
+    done: SampleDone | None = None  # set once every chunk up to the final one is in
+    response: bytes | None = None  # packed tokens, kept only until the sample is scored
     score: StoredScore | None = None
+
+    @property
+    def version(self) -> int:
+        assert self.done is not None
+        return self.done.version
 
     def is_complete(self) -> bool:
         return self.final_seq is not None and len(self.chunks) == self.final_seq + 1
 
-    def assemble(self) -> StoredSample:
-        """Concatenate the chunks in sequence order (they may have arrived out of order)."""
+    def complete(self) -> SampleDone:
+        """Assemble the response (for scoring) and mark the sample done; chunks stay stored."""
         assert self.final_seq is not None
-        ordered = [self.chunks[i] for i in range(self.final_seq + 1)]
-        versions = b"".join(c.versions for c in ordered)
-        finish = ordered[-1].finish_reason
+        sample = assemble(self.chunks, self.final_seq + 1)
+        versions = unpack_i32(sample.versions)
+        finish = self.chunks[self.final_seq].finish_reason
         assert finish is not None
-        self.done = StoredSample(
-            tokens=b"".join(c.tokens for c in ordered),
-            logprobs=b"".join(c.logprobs for c in ordered),
-            versions=versions,
+        self.done = SampleDone(
             finish_reason=finish,
             lease_id=self.lease_id,
+            n_chunks=self.final_seq + 1,
+            n_tokens=len(versions),
+            version=int(versions.min()) if len(versions) else 0,
         )
-        v = unpack_i32(versions)
-        self.version = int(v.min()) if len(v) else 0
-        self.chunks, self.pending = {}, []
+        self.response = sample.tokens
+        self.chunks = {}
         return self.done
-
-    def take_blobs(self) -> list[bytes]:
-        """Forget the stored chunks (now assembled or abandoned); return their Redis fields."""
-        blobs, self.blobs, self.pending = self.blobs, [], []
-        return blobs
 
     def restart(self, lease_id: int) -> list[bytes]:
         """Drop partial chunks (re-issued to a new lease); return the Redis fields to delete."""
-        self.lease_id, self.chunks, self.final_seq = lease_id, {}, None
-        return self.take_blobs()
+        blobs = self.blobs
+        self.lease_id, self.chunks, self.final_seq, self.pending, self.blobs = lease_id, {}, None, [], []
+        return blobs
 
 
 @dataclass

@@ -19,8 +19,10 @@ from flywheel.store import (
     META,
     GroupMeta,
     RunKeys,
-    StoredSample,
+    SampleDone,
     StoredScore,
+    assemble,
+    chunks_by_sample,
     sample_field,
     score_field,
     unpack,
@@ -131,16 +133,21 @@ class BatchClient:
         for (gid, version), raw in zip(pairs, raw_groups, strict=True):
             assert META in raw, f"group {gid} was ready but has no data"
             meta = unpack(GroupMeta, raw[META])
+            chunks = chunks_by_sample(raw)
             samples = []
             for s in range(meta.n_samples):
-                stored = unpack(StoredSample, raw[sample_field(s)])
+                done = unpack(SampleDone, raw[sample_field(s)])
+                parts = assemble({q: c for q, c in chunks.get(s, {}).items() if q < done.n_chunks}, done.n_chunks)
+                assert len(parts.tokens) == 4 * done.n_tokens, (
+                    f"group {gid} sample {s}: stored tokens do not match its record"
+                )
                 score = unpack(StoredScore, raw[score_field(s)])
                 samples.append(
                     RolloutSample(
-                        tokens=unpack_i32(stored.tokens),
-                        logprobs=unpack_f32(stored.logprobs),
-                        versions=unpack_i32(stored.versions),
-                        finish_reason=stored.finish_reason,
+                        tokens=unpack_i32(parts.tokens),
+                        logprobs=unpack_f32(parts.logprobs),
+                        versions=unpack_i32(parts.versions),
+                        finish_reason=done.finish_reason,
                         reward=score.reward,
                         reward_breakdown=score.breakdown,
                         reward_error=score.error,

@@ -16,7 +16,8 @@ Shared by the hub (the writer) and the learner's batch client (the consumer). La
     fw:{R}:requeue        list: prompt indices to issue again before the cursor advances
     fw:R:g:{R:<gid>}      hash: everything of one group (one key, so one hash slot):
                             meta -> GroupMeta, c:<sample>:<seq> -> [Chunk, ...] (chunks of one
-                            sample accepted in one hub turn), s:<sample> -> StoredSample,
+                            sample accepted in one hub turn: the only copy of its tokens),
+                            s:<sample> -> SampleDone (the sample is complete),
                             r:<sample> -> StoredScore
 
 Run-level keys share the hash tag ``{R}`` so the claim script touches one slot; each group's
@@ -103,14 +104,43 @@ class GroupMeta(msgspec.Struct, kw_only=True):
     issued_at_version: int  # learner version when the group was issued
 
 
-class StoredSample(msgspec.Struct, kw_only=True):
-    """A completed sample, assembled from its chunks in order."""
+class SampleDone(msgspec.Struct, kw_only=True):
+    """Marks a sample complete. Its tokens stay in its chunk blobs: written once, never copied."""
 
+    finish_reason: str
+    lease_id: int  # the lease whose chunks make up the sample
+    n_chunks: int  # chunks 0..n_chunks-1, the last one carrying finish_reason
+    n_tokens: int
+    version: int  # oldest token version
+
+
+class AssembledSample(msgspec.Struct, kw_only=True):
     tokens: bytes  # packed int32
     logprobs: bytes  # packed float32
     versions: bytes  # packed int32
-    finish_reason: str
-    lease_id: int
+
+
+def assemble(chunks: dict[int, Chunk], n_chunks: int) -> AssembledSample:
+    """Concatenate chunks 0..n_chunks-1 in sequence order (they may have arrived out of order)."""
+    missing = [seq for seq in range(n_chunks) if seq not in chunks]
+    if missing:
+        raise ValueError(f"sample incomplete: chunks {missing[:8]} of 0..{n_chunks - 1} are missing")
+    ordered = [chunks[seq] for seq in range(n_chunks)]
+    return AssembledSample(
+        tokens=b"".join(c.tokens for c in ordered),
+        logprobs=b"".join(c.logprobs for c in ordered),
+        versions=b"".join(c.versions for c in ordered),
+    )
+
+
+def chunks_by_sample(raw: dict[bytes, bytes]) -> dict[int, dict[int, Chunk]]:
+    """Decode every chunk blob of a group hash: sample -> seq -> chunk."""
+    out: dict[int, dict[int, Chunk]] = {}
+    for name, value in raw.items():
+        if name.startswith(b"c:"):
+            for chunk in unpack_chunks(value):
+                out.setdefault(chunk.sample, {})[chunk.seq] = chunk
+    return out
 
 
 class StoredScore(msgspec.Struct, kw_only=True):
