@@ -9,22 +9,20 @@ import logging
 import signal
 import sys
 
-from flywheel.config import ConfigError, help_text, load_config
+from flywheel.config import service_config
 from flywheel.logs import setup_logging
 
 log = logging.getLogger("buffer")
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "-h" in argv or "--help" in argv:
-        print(help_text("flywheel-buffer", "Run the rollout hub (needs redis.url, data.path and data.tokenizer)."))
-        return 0
-    try:
-        cfg = load_config(argv)
-    except ConfigError as err:
-        print(f"flywheel-buffer: {err}", file=sys.stderr)
-        return 2
+    cfg = service_config(
+        "flywheel-buffer",
+        "Run the rollout hub (needs redis.url, data.path and data.tokenizer).",
+        sys.argv[1:] if argv is None else argv,
+    )
+    if isinstance(cfg, int):
+        return cfg
     setup_logging("hub", cfg.run.log_level)
     if cfg.redis.url is None:
         print(

@@ -169,7 +169,7 @@ class RewardConfig(_Section):
 
     function: Literal["exact_match", "length"] = Field(
         "exact_match",
-        description="Reward function: exact_match (response text contains metadata 'answer') or length (tokens / max_tokens).",
+        description="Reward function: exact_match (the last number in the response equals metadata 'answer') or length (tokens / max_tokens).",
     )
     tokenizer: str | None = Field(None, description="HF tokenizer for decoding responses; defaults to data.tokenizer.")
     hub_address: str = Field("tcp://127.0.0.1:5556", description="Hub reward ROUTER address the workers connect to.")
@@ -330,3 +330,18 @@ def help_text(prog: str, what: str) -> str:
     ]
     lines += [f"  --{k:<32} {m} (default {d})" for k, _, d, m in reference()]
     return "\n".join(lines)
+
+
+def service_config(prog: str, what: str, argv: list[str]) -> FlywheelConfig | int:
+    """A service entry point's first step: the parsed config, or an exit code after printing
+    the help (0) or what to fix (2). Imports nothing heavy."""
+    import sys
+
+    if "-h" in argv or "--help" in argv:
+        print(help_text(prog, what))
+        return 0
+    try:
+        return load_config(argv)
+    except ConfigError as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return 2

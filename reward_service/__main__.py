@@ -7,20 +7,18 @@ import signal
 import socket
 import sys
 
-from flywheel.config import ConfigError, help_text, load_config
+from flywheel.config import service_config
 from flywheel.logs import setup_logging
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "-h" in argv or "--help" in argv:
-        print(help_text("flywheel-reward", "Run one reward worker connected to the hub (reward.hub_address)."))
-        return 0
-    try:
-        cfg = load_config(argv)
-    except ConfigError as err:
-        print(f"flywheel-reward: {err}", file=sys.stderr)
-        return 2
+    cfg = service_config(
+        "flywheel-reward",
+        "Run one reward worker connected to the hub (reward.hub_address).",
+        sys.argv[1:] if argv is None else argv,
+    )
+    if isinstance(cfg, int):
+        return cfg
     setup_logging("reward", cfg.run.log_level)
 
     from reward_service.functions import RewardFn, exact_match_reward, length_reward
