@@ -326,6 +326,9 @@ class Hub:
             if lease is None or lease.record.group_id != c.group_id or c.sample not in lease.record.samples:
                 self._reject_chunk(identity, c, "unknown_lease")
                 continue
+            if lease.owner != identity:
+                self._reject_chunk(identity, c, "not_lease_owner")
+                continue
             group = groups[c.group_id]
             sample = group.samples[c.sample]
             seq = c.seq
@@ -647,6 +650,7 @@ class Hub:
         rec.generator_id = gen.record.generator_id
         rec.deadline = time.time() + self.hcfg.lease_timeout_s
         lease.assigned_at = time.monotonic()
+        lease.owner = gen.identity
         gen.leases.add(rec.lease_id)
         group = self.groups[rec.group_id]
         for s in rec.samples:

@@ -66,6 +66,7 @@ def load(hub: Hub) -> None:
             hub.unassigned.append(rec.lease_id)
         else:
             gen.leases.add(rec.lease_id)
+            hub.leases[rec.lease_id].owner = gen.identity
             rec.deadline = max(rec.deadline, time.time() + hub.hcfg.generator_timeout_s)
 
     # groups that were fully scored when the hub died become ready now

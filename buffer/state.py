@@ -100,6 +100,7 @@ class RewardWorker:
 class ActiveLease:
     record: LeaseRecord
     assigned_at: float = 0.0
+    owner: bytes = b""  # routing identity of the generator running it; only it may send chunks
 
     @property
     def lease_id(self) -> int:

@@ -123,6 +123,8 @@ def test_dead_generator_lease_is_reissued_for_unfinished_samples(cluster: Cluste
     b.register()
     b.pump(0.5)
     assert not b.leases, "η = 0 admits one step of groups: nothing more to lease yet"
+    b.send(make_chunk(lease, 1, 1, 0, final=True))  # gen-a's lease: not gen-b's to write
+    pump_until(b, lambda: b.rejected == 1, "rejection of a chunk for someone else's lease")
     # gen-a goes silent; after generator_timeout_s its unfinished sample is re-issued to gen-b
     re_lease = b.wait_lease(timeout_s=10)
     assert re_lease.group_id == lease.group_id and re_lease.samples == [1] and re_lease.lease_id != lease.lease_id
