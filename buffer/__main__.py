@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("hub", cfg.run.log_level)
     if cfg.redis.url is None:
         print(
-            "flywheel-buffer: redis.url is required (the `flywheel` launcher starts a private Redis for you)",
+            "flywheel-buffer: redis.url is required: pass --redis.url redis://HOST:PORT/0 of a Redis with AOF on",
             file=sys.stderr,
         )
         return 2
@@ -44,8 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     from buffer.prompts import PromptSource
 
     client = redis.Redis.from_url(cfg.redis.url, socket_timeout=cfg.redis.socket_timeout_s)
-    client.ping()
-    source = PromptSource.from_config(cfg.data)
+    try:
+        client.ping()
+    except redis.RedisError as err:
+        print(f"flywheel-buffer: cannot reach Redis at {cfg.redis.url}: {err}; check redis.url", file=sys.stderr)
+        return 2
+    try:
+        source = PromptSource.from_config(cfg.data)
+    except (ValueError, OSError) as err:
+        print(f"flywheel-buffer: cannot load prompts: {err}", file=sys.stderr)
+        return 2
     hub = Hub(cfg, source, client)
     recovery.load(hub)
     hub.start_metrics()

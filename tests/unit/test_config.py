@@ -103,3 +103,17 @@ def test_readme_config_reference_is_current() -> None:
     begin = readme.index("<!-- config:begin")
     body = readme[readme.index("\n", begin) + 1 : readme.index("<!-- config:end -->")].strip()
     assert body == reference_markdown(), "README config reference is stale: paste `flywheel config --markdown`"
+
+
+def test_hub_start_errors_say_what_to_fix(tmp_path: Path) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "buffer", *args], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
+
+    out = run("--data.path", "x.jsonl", "--data.tokenizer", "t")
+    assert out.returncode == 2 and "redis.url is required" in out.stderr
+    out = run("--redis.url", "redis://127.0.0.1:1/0", "--data.path", "x.jsonl", "--data.tokenizer", "t")
+    assert out.returncode == 2 and "cannot reach Redis at redis://127.0.0.1:1/0" in out.stderr
+    out = run("--async.max_staleness", "-3")
+    assert out.returncode == 2 and "`async.max_staleness`" in out.stderr
