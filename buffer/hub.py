@@ -124,6 +124,7 @@ class Hub:
         self._refreshed = 0.0
         self._last_reap = 0.0
         self._rates = RateMeter()
+        self.ingest_rates = {"tokens": 0.0, "chunks": 0.0}  # per second, over the last stats interval
         self._last_stats = time.monotonic()
 
     # ------------------------------------------------------------------ setup
@@ -696,6 +697,8 @@ class Hub:
             "scores_pending": len(self.score_queue) + len(self.score_sent),
             "requeued_prompts": len(self.requeued_prompts),
             "data_epoch": self.epoch,
+            "ingest_tokens_per_s": self.ingest_rates["tokens"],
+            "ingest_chunks_per_s": self.ingest_rates["chunks"],
             "turn_durable_ms_p50": s.durable_ms(50),
             "turn_durable_ms_p99": s.durable_ms(99),
             "data_exhausted": int(self.source.exhausted(self.epoch) and not self.requeued_prompts),
@@ -711,7 +714,7 @@ class Hub:
         snap = self.snapshot()
         c, g = snap["counters"], snap["gauges"]
         assert isinstance(c, dict) and isinstance(g, dict)
-        rates = self._rates.rates({"tokens": c["tokens_in"], "chunks": c["chunks_in"]})
+        rates = self.ingest_rates = self._rates.rates({"tokens": c["tokens_in"], "chunks": c["chunks_in"]})
         hist = snap["staleness"]
         assert isinstance(hist, dict)
         served = sum(hist.values())

@@ -205,6 +205,7 @@ def test_metrics_endpoint_reports_queues_and_rates(cluster: Cluster) -> None:
     wait_until(lambda: metrics(cluster).get("flywheel_hub_groups_ready_total", 0) >= 2, 30, "groups ready")
     m = metrics(cluster)
     for key in (
+        "flywheel_hub_ingest_tokens_per_s",
         "flywheel_hub_open_groups",
         "flywheel_hub_active_leases",
         "flywheel_hub_ready_groups",
