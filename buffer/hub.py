@@ -650,7 +650,6 @@ class Hub:
         rec = lease.record
         rec.generator_id = gen.record.generator_id
         rec.deadline = time.time() + self.hcfg.lease_timeout_s
-        lease.assigned_at = time.monotonic()
         lease.owner = gen.identity
         gen.leases.add(rec.lease_id)
         group = self.groups[rec.group_id]
@@ -686,6 +685,7 @@ class Hub:
             "generators_evicted": s.generators_evicted,
             "groups_issued": self.groups_issued,
             "groups_dropped": self.groups_dropped,
+            "prompts_truncated": self.source.truncated,
         }
         gauges = {
             "learner_version": self.learner_version,

@@ -56,7 +56,7 @@ def load(hub: Hub) -> None:
         if rec.group_id not in hub.groups:
             r.hdel(k.leases, rec.lease_id)
             continue
-        hub.leases[rec.lease_id] = ActiveLease(rec, now)
+        hub.leases[rec.lease_id] = ActiveLease(rec)
         for s in rec.samples:
             if hub.groups[rec.group_id].samples[s].done is None:
                 hub.groups[rec.group_id].samples[s].lease_id = rec.lease_id

@@ -99,7 +99,6 @@ class RewardWorker:
 @dataclass
 class ActiveLease:
     record: LeaseRecord
-    assigned_at: float = 0.0
     owner: bytes = b""  # routing identity of the generator running it; only it may send chunks
 
     @property

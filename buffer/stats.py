@@ -25,7 +25,6 @@ class HubStats:
     leases_issued: int = 0
     leases_reissued: int = 0
     generators_evicted: int = 0
-    prompts_truncated: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
     # seconds from the start of a turn that took chunks to its Redis write returning (recent turns)
     durable_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
