@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import time
 
 from flywheel.config import service_config
 from flywheel.logs import setup_logging
@@ -44,11 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     from buffer.prompts import PromptSource
 
     client = redis.Redis.from_url(cfg.redis.url, socket_timeout=cfg.redis.socket_timeout_s)
-    try:
-        client.ping()
-    except redis.RedisError as err:
-        print(f"flywheel-buffer: cannot reach Redis at {cfg.redis.url}: {err}; check redis.url", file=sys.stderr)
-        return 2
+    deadline = time.monotonic() + cfg.redis.connect_timeout_s
+    while True:  # Redis may still be starting (docker-compose starts both at once)
+        try:
+            client.ping()
+            break
+        except redis.RedisError as err:
+            if time.monotonic() > deadline:
+                print(
+                    f"flywheel-buffer: cannot reach Redis at {cfg.redis.url}: {err}; check redis.url", file=sys.stderr
+                )
+                return 2
+            time.sleep(0.2)
     try:
         source = PromptSource.from_config(cfg.data)
     except (ValueError, OSError) as err:
@@ -68,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     signal.signal(signal.SIGTERM, lambda *_: hub.stop())
     signal.signal(signal.SIGINT, lambda *_: hub.stop())
-    hub.run()
+    try:
+        hub.run()
+    except redis.RedisError as err:
+        # Memory may now be ahead of Redis, and Redis is the truth: stop without acking anything
+        # more; a restart rebuilds from Redis and generators resend what was not acknowledged.
+        log.error("Redis failed (%s): exiting so that a restart recovers from Redis", err)
+        return 3
     log.info("hub stopped")
     return 0
 

@@ -57,6 +57,9 @@ class RedisConfig(_Section):
     socket_timeout_s: float = Field(
         10.0, gt=0, le=600, description="Timeout of every Redis call; a hung Redis raises instead of blocking forever."
     )
+    connect_timeout_s: float = Field(
+        30.0, ge=0, le=3600, description="How long a service waits for Redis to answer at start-up."
+    )
 
 
 class DataConfig(_Section):

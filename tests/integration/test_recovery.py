@@ -160,3 +160,55 @@ def test_two_racing_consumers_never_get_the_same_group(cluster: Cluster, tmp_pat
     assert not a & b, f"groups served twice: {sorted(a & b)}"
     consumed = int(cluster.redis.client().hget("fw:{flywheel}:counters", "groups_consumed") or 0)
     assert len(a) + len(b) == consumed >= target
+
+
+def test_redis_kill9_stops_the_hub_and_a_restart_loses_nothing_acknowledged(cluster: Cluster) -> None:
+    args = (
+        "--async.max_staleness",
+        "1000",
+        "--async.groups_per_step",
+        "2",
+        "--data.n_samples_per_prompt",
+        str(N_SAMPLES),
+    )
+    ports = cluster.start_hub(*args)
+    gen = HandGenerator(cluster.gen_address, "streamer", capacity=4, resend_after_s=0.3)
+    gen.register()
+    streamer = Streamer(gen)
+    for _ in range(40):
+        streamer.turn()
+    acked = set(streamer.acked_groups)
+    assert acked, "some chunks should be acknowledged before the crash"
+    redis_dir, redis_port = cluster.redis.dir, cluster.redis.port
+    cluster.redis.proc.kill()  # kill -9 of Redis itself: acknowledged writes must be in the AOF
+    cluster.redis.proc.wait(timeout=10)
+    assert cluster.hub is not None
+    deadline = time.monotonic() + 30
+    while cluster.hub.alive():  # its next write fails: it must stop, not ack from memory
+        assert time.monotonic() < deadline, "hub kept running without Redis"
+        streamer.turn()
+    assert cluster.hub.proc.returncode == 3
+    assert "exiting so that a restart recovers from Redis" in cluster.hub.log_path.read_text()
+
+    from flywheel.redis_server import RedisServer
+
+    cluster.redis = RedisServer(redis_dir, port=redis_port)  # same AOF, same port
+    try:
+        cluster.start_hub(*args, ports=ports)
+        cluster.start_reward()
+        client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(1000, 2))
+        served: set[int] = set()
+        deadline = time.monotonic() + 60
+        while not acked <= served:
+            assert time.monotonic() < deadline, f"acknowledged groups lost: {sorted(acked - served)}"
+            streamer.turn()
+            pairs, _ = client.try_claim(1, 0)
+            for group in client._load(pairs, 0):
+                for s, sample in enumerate(group.samples):
+                    assert sample.tokens.tolist() == expected_sample(
+                        group.group_id, s, chunks_in_sample(group.group_id, s)
+                    )
+                served.add(group.group_id)
+    finally:
+        gen.close()
+        cluster.redis.stop()

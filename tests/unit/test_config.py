@@ -113,7 +113,16 @@ def test_hub_start_errors_say_what_to_fix(tmp_path: Path) -> None:
 
     out = run("--data.path", "x.jsonl", "--data.tokenizer", "t")
     assert out.returncode == 2 and "redis.url is required" in out.stderr
-    out = run("--redis.url", "redis://127.0.0.1:1/0", "--data.path", "x.jsonl", "--data.tokenizer", "t")
+    out = run(
+        "--redis.url",
+        "redis://127.0.0.1:1/0",
+        "--redis.connect_timeout_s",
+        "0.5",
+        "--data.path",
+        "x.jsonl",
+        "--data.tokenizer",
+        "t",
+    )
     assert out.returncode == 2 and "cannot reach Redis at redis://127.0.0.1:1/0" in out.stderr
     out = run("--async.max_staleness", "-3")
     assert out.returncode == 2 and "`async.max_staleness`" in out.stderr
