@@ -1,0 +1,21 @@
+"""The tiny model and tokenizer built from code load through the ordinary HF paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flywheel.tiny import arithmetic_rows, build_model
+
+
+def test_tiny_llama_loads_and_runs(tmp_path: Path, tokenizer_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build_model(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert 100_000 < sum(p.numel() for p in model.parameters()) < 2_000_000
+    ids = torch.tensor([tok(arithmetic_rows(1)[0]["prompt"])["input_ids"]])
+    logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
+    assert model.config.vocab_size >= len(tok)  # every token id the tokenizer emits has an embedding
