@@ -12,7 +12,6 @@ Nothing here is ever unpickled: msgspec builds only the structs named below.
 from __future__ import annotations
 
 import math
-from typing import ClassVar
 
 import msgspec
 import numpy as np
@@ -22,7 +21,6 @@ SCHEMA_VERSION = 1
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
-VERSION_DTYPE = np.dtype("<i4")
 GROUP_ID_DTYPE = np.dtype("<i8")
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -83,8 +81,6 @@ class Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_o
     """Base of every wire message. ``sv`` is the schema version of the sender."""
 
     sv: int = SCHEMA_VERSION
-
-    max_items: ClassVar[int] = 1 << 20
 
     def check(self) -> None:
         """Semantic validation beyond types; raises WireError naming the field."""
@@ -342,8 +338,6 @@ class WeightsAck(Message, tag=True):
 
 ToHub = Register | Heartbeat | Chunk | ChunkBatch | RewardRegister | Score
 ToGenerator = Lease | ChunkAck | Revoke
-ToReward = ScoreRequest
-AnyMessage = ToHub | ToGenerator | ScoreRequest | WeightsReady | WeightsAck
 
 _encoder = msgspec.msgpack.Encoder()
 
