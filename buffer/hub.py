@@ -103,7 +103,7 @@ class Hub:
         # per-turn output, flushed after the Redis write
         self._pipe = client.pipeline(transaction=True)
         # samples that accepted chunks this turn; at flush each writes them as one blob (one
-        # HSET per group). A sample that completes within the turn writes only the assembly.
+        # HSET per group)
         self._dirty: list[tuple[int, int, SampleAssembly]] = []
         # per peer: flat [group, sample, seq, group, sample, seq, ...] acknowledged this turn
         self._acks: dict[bytes, list[int]] = defaultdict(list)
