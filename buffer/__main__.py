@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 return 2
             time.sleep(0.2)
+    _warn_unless_persistent(client, cfg.redis.url)
     try:
         source = PromptSource.from_config(cfg.data)
     except (ValueError, OSError) as err:
@@ -85,6 +86,23 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     log.info("hub stopped")
     return 0
+
+
+def _warn_unless_persistent(client: object, url: str) -> None:
+    """Acks promise durability: say so loudly when the Redis behind them keeps no AOF."""
+    import redis
+
+    assert isinstance(client, redis.Redis)
+    try:
+        appendonly = client.config_get("appendonly").get("appendonly")
+    except redis.RedisError:  # managed Redis may refuse CONFIG: nothing to check
+        return
+    if appendonly != b"yes" and appendonly != "yes":
+        log.warning(
+            "Redis at %s runs without append-only persistence: a Redis crash loses acknowledged chunks; "
+            "start it with --appendonly yes",
+            url,
+        )
 
 
 if __name__ == "__main__":

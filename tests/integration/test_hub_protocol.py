@@ -198,6 +198,13 @@ def test_duplicates_and_out_of_order_chunks(cluster: Cluster) -> None:
     g.close()
 
 
+def test_hub_warns_when_redis_keeps_no_aof(cluster: Cluster) -> None:
+    cluster.redis.client().config_set("appendonly", "no")
+    cluster.start_hub()
+    assert cluster.hub is not None
+    wait_until(lambda: "without append-only persistence" in cluster.hub.log_path.read_text(), 10, "the AOF warning")  # type: ignore[union-attr]
+
+
 def test_metrics_endpoint_reports_queues_and_rates(cluster: Cluster) -> None:
     cluster.start_hub("--async.groups_per_step", "2")
     cluster.start_simgen("sim", "--min-len", "8", "--max-len", "32", "--tokens-per-s", "5000")
@@ -220,4 +227,6 @@ def test_metrics_endpoint_reports_queues_and_rates(cluster: Cluster) -> None:
     assert cluster.redis.client().config_get("appendonly")["appendonly"] == "yes"
     assert cluster.redis.client().exists(keys.counters)
     time.sleep(1.2)
-    assert "tok/s" in (cluster.hub.log_path.read_text() if cluster.hub else "")
+    log = cluster.hub.log_path.read_text() if cluster.hub else ""
+    assert "tok/s" in log
+    assert "without append-only persistence" not in log  # the test Redis runs with AOF
