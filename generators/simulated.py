@@ -164,6 +164,8 @@ class SimulatedGenerator:
     def _version_bytes(self, n: int, version: int) -> bytes:
         b = self._versions.get((n, version))
         if b is None:
+            if len(self._versions) > 4 * (self.chunk_max + 1):
+                self._versions.clear()  # old versions are never asked for again
             b = self._versions[(n, version)] = np.full(n, version, dtype="<i4").tobytes()
         return b
 
