@@ -47,6 +47,7 @@ from flywheel.wire import (
     Lease,
     Message,
     Register,
+    Release,
     Revoke,
     RewardRegister,
     SamplingParams,
@@ -211,6 +212,8 @@ class Hub:
             self._on_heartbeat(identity, msg)
         elif isinstance(msg, Register) and from_generator:
             self._on_register(identity, msg)
+        elif isinstance(msg, Release) and from_generator:
+            self._on_release(identity, msg)
         elif isinstance(msg, Score) and not from_generator:
             self._on_score(identity, msg)
         elif isinstance(msg, RewardRegister) and not from_generator:
@@ -305,6 +308,9 @@ class Hub:
             return
         now = time.monotonic()
         gen.last_seen = now
+        if msg.draining and not gen.draining:
+            log.info("generator %s is draining: no new leases for it", msg.generator_id)
+        gen.draining = msg.draining
         if msg.weight_version != gen.record.weight_version:
             gen.record.weight_version = msg.weight_version
             self._pipe.hset(self.keys.generators, msg.generator_id, pack(gen.record))
@@ -312,6 +318,18 @@ class Hub:
             lease = self.leases.get(lease_id)
             if lease is not None and lease.record.generator_id == msg.generator_id:
                 lease.record.deadline = time.time() + self.hcfg.lease_timeout_s
+
+    def _on_release(self, identity: bytes, msg: Release) -> None:
+        """A generator gave leases back unfinished: re-issue their unfinished samples now."""
+        gen = self.generators.get(msg.generator_id)
+        if gen is None or gen.identity != identity:
+            self.rejects.reject("unregistered_generator", f"release from {msg.generator_id!r} before Register", identity)
+            return
+        released = [i for i in msg.lease_ids if i in gen.leases]
+        for lease_id in released:
+            self._expire_lease(lease_id, notify=False)
+        self.stats.leases_released += len(released)
+        log.info("generator %s released %d leases", msg.generator_id, len(released))
 
     def _on_chunks(self, identity: bytes, chunks: list[Chunk]) -> None:
         """Accept new chunks into the turn's write buffer; ack duplicates; reject strays.
@@ -682,6 +700,7 @@ class Hub:
             "score_resends": s.score_resends,
             "leases_issued": s.leases_issued,
             "leases_reissued": s.leases_reissued,
+            "leases_released": s.leases_released,
             "generators_evicted": s.generators_evicted,
             "groups_issued": self.groups_issued,
             "groups_dropped": self.groups_dropped,

@@ -83,9 +83,10 @@ class GeneratorInfo:
     identity: bytes  # ZMQ routing id
     last_seen: float
     leases: set[int] = field(default_factory=set)
+    draining: bool = False  # shutting down: it finishes what it holds and gets nothing new
 
     def free_slots(self) -> int:
-        return self.record.capacity - len(self.leases)
+        return 0 if self.draining else self.record.capacity - len(self.leases)
 
 
 @dataclass

@@ -24,6 +24,7 @@ class HubStats:
     score_resends: int = 0
     leases_issued: int = 0
     leases_reissued: int = 0
+    leases_released: int = 0  # given back by generators (draining, weights behind)
     generators_evicted: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
     # seconds from the start of a turn that took chunks to its Redis write returning (recent turns)

@@ -119,6 +119,14 @@ class AsyncConfig(_Section):
     requeue_stale: bool = Field(
         True, description="Re-queue the prompts of groups dropped as too stale (otherwise they are skipped)."
     )
+    sync_every: int = Field(
+        1, ge=1, le=1 << 20, description="The learner broadcasts new weights to the generators every this many steps."
+    )
+    partial_rollout: Literal["keep", "interrupt"] = Field(
+        "keep",
+        description="New weights mid-generation: keep (pause, update, resume; later tokens get the new version) "
+        "or interrupt (abort, update, resubmit with the partial tokens appended to the prompt).",
+    )
 
 
 class HubConfig(_Section):
@@ -184,6 +192,66 @@ class RewardConfig(_Section):
     )
 
 
+class GeneratorConfig(_Section):
+    """A vLLM generator service (flywheel-generator)."""
+
+    model: str | None = Field(
+        None, description="HF causal-LM path (a directory or hub name) the generator serves; required."
+    )
+    id: str | None = Field(None, description="Generator id (its identity at the hub). Unset: <hostname>-<pid>.")
+    hub_address: str = Field("tcp://127.0.0.1:5555", description="Hub generator ROUTER address.")
+    capacity: int = Field(8, ge=1, le=65536, description="Leases (prompt groups) generated at once.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="vLLM tensor-parallel size (GPUs per generator).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and activations dtype inside vLLM (auto: bf16 on GPUs, fp32 on CPUs)."
+    )
+    max_model_len: int | None = Field(None, ge=16, description="Longest prompt + response; unset: the model's.")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory vLLM may take.")
+    cpu_kv_cache_gib: float = Field(1.0, gt=0, le=1024, description="KV-cache size on CPUs (VLLM_CPU_KVCACHE_SPACE).")
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs / compilation (faster start, slower decode).")
+    max_num_seqs: int = Field(256, ge=1, le=65536, description="Sequences vLLM batches at once.")
+    seed: int = Field(0, ge=0, description="Engine seed; each request also gets a seed derived from its group.")
+    flush_interval_ms: float = Field(
+        20.0, gt=0, le=10000, description="New tokens are streamed to the hub as chunks at this interval."
+    )
+    heartbeat_s: float = Field(0.5, gt=0, le=600, description="Heartbeat interval to the hub and the learner.")
+    resend_after_s: float = Field(2.0, gt=0, le=600, description="Resend chunks not acknowledged for this long.")
+    drain_timeout_s: float = Field(
+        60.0, ge=0, le=86400, description="On SIGTERM: finish held leases for at most this long, then return the rest."
+    )
+    max_weight_bytes: int = Field(
+        1 << 40, ge=1, description="Refuse a WeightsReady whose layout is larger than this (guards allocations)."
+    )
+
+
+class SyncConfig(_Section):
+    """Weight broadcast from the learner to the generators."""
+
+    host: str = Field(
+        "127.0.0.1",
+        description="Learner address for the weight sync: it binds its sockets and the rendezvous store here, "
+        "generators connect to it.",
+    )
+    announce_port: int = Field(5557, ge=1, le=65535, description="Learner PUB port (WeightsReady).")
+    join_port: int = Field(5558, ge=1, le=65535, description="Learner ROUTER port (SyncJoin, WeightsAck).")
+    transport: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Process-group backend of the broadcast; auto: nccl when CUDA is available, else gloo."
+    )
+    bucket_mb: float = Field(
+        512.0, gt=0, le=1 << 20, description="Parameters are broadcast in flat buckets of about this many MiB."
+    )
+    timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="Deadline of one sync: a generator that has not loaded the weights by then is evicted from "
+        "the group (it rejoins at the next sync).",
+    )
+    member_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="A generator not heard from (SyncJoin) for this long leaves the group."
+    )
+
+
 class FlywheelConfig(_Section):
     """A whole run. Sections map to YAML top-level keys and to `--section.field` flags."""
 
@@ -194,6 +262,8 @@ class FlywheelConfig(_Section):
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async", description="Staleness bound.")
     hub: HubConfig = Field(default_factory=HubConfig, description="Rollout hub.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward service.")
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig, description="vLLM generator service.")
+    sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight broadcast.")
 
     @model_validator(mode="after")
     def _data_needs_tokenizer(self) -> FlywheelConfig:

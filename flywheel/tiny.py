@@ -56,26 +56,62 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> Path:
     return out
 
 
-def build_model(out_dir: str | Path, vocab_size: int = 512, hidden: int = 128, layers: int = 2, seed: int = 0) -> Path:
-    """A randomly initialised Llama-shaped causal LM (about 0.4M parameters)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+SIZES = {
+    # name: (hidden, layers, attention heads, kv heads); vocab 512 -> parameter counts below
+    "tiny": (128, 2, 4, 2),  # ~0.4M
+    "small": (256, 4, 4, 2),  # ~2M
+    "medium": (512, 8, 8, 4),  # ~19M
+    "large": (768, 10, 12, 4),  # ~52M
+}
 
+
+def build_model(
+    out_dir: str | Path,
+    vocab_size: int = 512,
+    hidden: int | None = None,
+    layers: int | None = None,
+    seed: int = 0,
+    arch: str = "llama",
+    size: str = "tiny",
+) -> Path:
+    """A randomly initialised Llama- or Qwen2-shaped causal LM of a preset ``size`` (see SIZES);
+    ``hidden`` / ``layers`` override the preset."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
+    h, n_layers, heads, kv_heads = SIZES[size]
+    hidden = hidden or h
+    layers = layers or n_layers
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=hidden * 2,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=3,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(cfg)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        raise ValueError(f"unknown arch {arch!r}; choose llama or qwen2")
     out = Path(out_dir)
     model.save_pretrained(out)
+    return out
+
+
+def build_checkpoint(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path:
+    """Model and tokenizer in one directory, loadable by HF and vLLM like any hub checkpoint."""
+    out = Path(out_dir)
+    build_tokenizer(out)
+    build_model(out, arch=arch, size=size, seed=seed)
     return out

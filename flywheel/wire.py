@@ -109,6 +109,7 @@ class Heartbeat(Message, tag=True):
     generator_id: str
     weight_version: int  # version now served (changes after a weight sync)
     lease_ids: list[int] = []  # leases still running on this generator
+    draining: bool = False  # shutting down: send no new leases
 
     def check(self) -> None:
         _require(0 < len(self.generator_id) <= 128, "generator_id", "must be 1..128 characters")
@@ -192,6 +193,17 @@ class ChunkBatch(Message, tag=True):
             except WireError as err:
                 raise WireError(err.reason, f"chunks[{i}].{err.field}", err.detail) from None
         raise AssertionError("batch check failed but no chunk did")
+
+
+class Release(Message, tag=True):
+    """A generator gives leases back unfinished (draining, or its weights fell behind): re-issue them."""
+
+    generator_id: str
+    lease_ids: list[int]
+
+    def check(self) -> None:
+        _require(0 < len(self.generator_id) <= 128, "generator_id", "must be 1..128 characters")
+        _require(len(self.lease_ids) <= 65536, "lease_ids", "too many lease ids")
 
 
 # --------------------------------------------------------------------------- hub → generator
@@ -309,35 +321,74 @@ class BucketLayout(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class WeightsReady(Message, tag=True):
-    """New weights are about to be broadcast; join the transfer before ``deadline``."""
+    """Weights of ``version`` are about to be broadcast; join the transfer before ``deadline``.
+
+    The transfer runs over a standalone process group: rank 0 is the learner, which hosts the
+    rendezvous store at ``master_addr:master_port``; a generator with W workers takes ranks
+    ``ranks[generator_id] .. ranks[generator_id] + W - 1``. ``epoch`` names the group: while it
+    stays the same, receivers reuse the group they already joined.
+    """
 
     version: int
     buckets: list[BucketLayout]
     transport: str  # "nccl" | "gloo" | "ipc"
-    deadline: float
+    deadline: float  # unix time
+    epoch: int  # process-group generation; a new one after every membership change or failure
+    master_addr: str
+    master_port: int
+    world_size: int
+    ranks: dict[str, int]  # generator id -> its first rank in the group
 
     def check(self) -> None:
         _check_nonneg(self.version, "version")
+        _check_nonneg(self.epoch, "epoch")
+        _require(len(self.buckets) <= 1 << 20, "buckets", "too many buckets")
         for i, b in enumerate(self.buckets):
             k = len(b.names)
             _require(
                 len(b.shapes) == k and len(b.dtypes) == k, f"buckets[{i}]", "names, shapes, dtypes differ in length"
             )
+            _require(b.nbytes >= 0, f"buckets[{i}].nbytes", "must be >= 0")
         _require(self.transport in ("nccl", "gloo", "ipc"), "transport", "must be nccl, gloo or ipc")
+        _require(math.isfinite(self.deadline), "deadline", "must be a finite unix time")
+        _require(0 < self.master_port < 65536, "master_port", f"must be a TCP port, got {self.master_port}")
+        _require(1 <= self.world_size <= 65536, "world_size", f"must be in 1..65536, got {self.world_size}")
+        for gen, rank in self.ranks.items():
+            _require(0 < rank < self.world_size, "ranks", f"rank {rank} of {gen!r} is outside 1..world_size-1")
+
+
+class SyncJoin(Message, tag=True):
+    """A generator asks to be part of the next weight sync (sent every heartbeat to the learner)."""
+
+    generator_id: str
+    version: int  # the version it serves now
+    workers: int  # ranks it needs in the group: one per vLLM worker (tensor-parallel size)
+
+    def check(self) -> None:
+        _require(0 < len(self.generator_id) <= 128, "generator_id", "must be 1..128 characters")
+        _check_nonneg(self.version, "version")
+        _require(1 <= self.workers <= 1024, "workers", f"must be in 1..1024, got {self.workers}")
 
 
 class WeightsAck(Message, tag=True):
-    """A generator now serves ``version`` (or says why it could not load it)."""
+    """A generator now serves ``version`` (or says, in ``error``, why it could not load it)."""
 
     generator_id: str
     version: int
+    epoch: int
     error: str | None = None
+    seconds: float = 0.0  # time from WeightsReady to weights loaded, as the generator measured it
+
+    def check(self) -> None:
+        _require(0 < len(self.generator_id) <= 128, "generator_id", "must be 1..128 characters")
+        _check_nonneg(self.version, "version")
 
 
 # --------------------------------------------------------------------------- codec
 
-ToHub = Register | Heartbeat | Chunk | ChunkBatch | RewardRegister | Score
+ToHub = Register | Heartbeat | Chunk | ChunkBatch | Release | RewardRegister | Score
 ToGenerator = Lease | ChunkAck | Revoke
+ToLearner = SyncJoin | WeightsAck
 
 _encoder = msgspec.msgpack.Encoder()
 

@@ -22,6 +22,7 @@ from flywheel.wire import (
     Heartbeat,
     Lease,
     Register,
+    Release,
     Revoke,
     ToGenerator,
     WireError,
@@ -72,6 +73,7 @@ class HubLink:
         self._last_resend_check = 0.0
         self.weight_version = 0
         self.lease_ids: set[int] = set()
+        self.draining = False
         self.ack_latency_s: list[float] = []  # send -> ack of each chunk: its chunk-to-durable time
         self.resent = 0
 
@@ -98,6 +100,7 @@ class HubLink:
                         generator_id=self.generator_id,
                         weight_version=self.weight_version,
                         lease_ids=sorted(self.lease_ids),
+                        draining=self.draining,
                     )
                 )
             )
@@ -179,6 +182,17 @@ class HubLink:
 
     def lease_done(self, lease_id: int) -> None:
         self.lease_ids.discard(lease_id)
+
+    def release(self, lease_ids: list[int]) -> None:
+        """Give leases back unfinished; the hub re-issues their unfinished samples to others."""
+        if lease_ids:
+            self.lease_ids.difference_update(lease_ids)
+            self._send(encode(Release(generator_id=self.generator_id, lease_ids=sorted(lease_ids))))
+
+    def drain(self) -> None:
+        """Ask for no more leases (sent at once and with every heartbeat after)."""
+        self.draining = True
+        self.heartbeat(force=True)
 
     def _send(self, payload: bytes) -> None:
         # at the high-water mark a frame is dropped: unacked chunks are resent, heartbeats repeat

@@ -12,7 +12,7 @@ import pytest
 
 from flywheel.procs import Service, wait_for_state_file
 from flywheel.redis_server import RedisServer
-from flywheel.tiny import build_tokenizer, write_arithmetic_jsonl
+from flywheel.tiny import build_checkpoint, build_tokenizer, write_arithmetic_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,6 +25,12 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def prompts_jsonl(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_arithmetic_jsonl(tmp_path_factory.mktemp("data") / "prompts.jsonl", 64)
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama model and its tokenizer in one directory (what vLLM and HF load)."""
+    return build_checkpoint(tmp_path_factory.mktemp("checkpoint"))
 
 
 @pytest.fixture
@@ -99,6 +105,36 @@ class Cluster:
             ["--hub", self.gen_address, "--id", gen_id, "--follow-redis", self.redis.url, "--run", run, *args],
             self.tmp,
             env={"PYTHONPATH": str(ROOT)},
+        )
+        self.services.append(svc)
+        return svc
+
+    def start_generator(
+        self, gen_id: str, model: Path, sync_ports: tuple[int, int], *overrides: str
+    ) -> Service:
+        """A real vLLM-CPU generator process (eager mode: the engine starts faster)."""
+        svc = Service(
+            self._name(f"gen-{gen_id}-"),
+            "generators",
+            [
+                *self.base,
+                *self._hub_args,
+                "--generator.model",
+                str(model),
+                "--generator.id",
+                gen_id,
+                "--generator.hub_address",
+                self.gen_address,
+                "--generator.enforce_eager",
+                "true",
+                "--sync.announce_port",
+                str(sync_ports[0]),
+                "--sync.join_port",
+                str(sync_ports[1]),
+                *overrides,
+            ],
+            self.tmp,
+            env={"PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"},
         )
         self.services.append(svc)
         return svc

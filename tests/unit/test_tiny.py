@@ -19,3 +19,15 @@ def test_tiny_llama_loads_and_runs(tmp_path: Path, tokenizer_dir: Path) -> None:
     logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
     assert model.config.vocab_size >= len(tok)  # every token id the tokenizer emits has an embedding
+
+
+def test_sizes_and_shapes(tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flywheel.tiny import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "qwen", arch="qwen2", size="small")
+    assert AutoConfig.from_pretrained(path).model_type == "qwen2"
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
+    assert 1_000_000 < n < 5_000_000
+    assert (path / "tokenizer.json").exists()

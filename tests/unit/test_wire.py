@@ -27,6 +27,9 @@ from flywheel.wire import (
     ScoreRequest,
     ToGenerator,
     ToHub,
+    Release,
+    SyncJoin,
+    ToLearner,
     WeightsAck,
     WeightsReady,
     WireError,
@@ -38,7 +41,7 @@ from flywheel.wire import (
     unpack_i32,
 )
 
-ANY = ToHub | ToGenerator | ScoreRequest | WeightsReady | WeightsAck
+ANY = ToHub | ToGenerator | ToLearner | ScoreRequest | WeightsReady
 
 
 def chunk(**over: object) -> Chunk:
@@ -54,6 +57,18 @@ def chunk(**over: object) -> Chunk:
     fields.update(over)
     return Chunk(**fields)  # type: ignore[arg-type]
 
+
+READY = WeightsReady(
+    version=5,
+    transport="gloo",
+    deadline=1e9,
+    buckets=[BucketLayout(names=["w"], shapes=[[2, 3]], dtypes=["float32"], nbytes=24)],
+    epoch=1,
+    master_addr="127.0.0.1",
+    master_port=29500,
+    world_size=3,
+    ranks={"gen-0": 1, "gen-1": 2},
+)
 
 EXAMPLES = [
     Register(generator_id="gen-0", model="tiny", capacity=8, weight_version=3),
@@ -87,13 +102,12 @@ EXAMPLES = [
         metadata={"answer": "8", "n": 3},
     ),
     Score(worker_id="rw", group_id=1, sample=0, reward=1.0, breakdown={"format": 1.0}),
-    WeightsReady(
-        version=5,
-        transport="gloo",
-        deadline=1e9,
-        buckets=[BucketLayout(names=["w"], shapes=[[2, 3]], dtypes=["float32"], nbytes=24)],
-    ),
-    WeightsAck(generator_id="gen-0", version=5),
+    Heartbeat(generator_id="gen-0", weight_version=4, lease_ids=[], draining=True),
+    Release(generator_id="gen-0", lease_ids=[3, 4]),
+    READY,
+    SyncJoin(generator_id="gen-0", version=4, workers=2),
+    WeightsAck(generator_id="gen-0", version=5, epoch=1),
+    WeightsAck(generator_id="gen-0", version=4, epoch=1, error="deadline passed"),
 ]
 
 
@@ -150,6 +164,26 @@ def test_garbage_is_rejected_naming_the_field(data: bytes, reason: str, field: s
     with pytest.raises(WireError) as err:
         Decoder(ToHub).decode(data)
     assert err.value.reason == reason
+    assert err.value.field == field, str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"ranks": {"gen-0": 0}}, "ranks"),
+        ({"ranks": {"gen-0": 3}}, "ranks"),
+        ({"master_port": 0}, "master_port"),
+        ({"world_size": 0}, "world_size"),
+        ({"transport": "carrier-pigeon"}, "transport"),
+        ({"deadline": math.nan}, "deadline"),
+        ({"buckets": [{"names": ["a", "b"], "shapes": [[1]], "dtypes": ["float32"], "nbytes": 4}]}, "buckets[0]"),
+        ({"buckets": [{"names": ["a"], "shapes": [[1]], "dtypes": ["float32"], "nbytes": -4}]}, "buckets[0].nbytes"),
+        ({"version": -1}, "version"),
+    ],
+)
+def test_bad_weights_ready_names_the_field(changes: dict[str, object], field: str) -> None:
+    with pytest.raises(WireError) as err:
+        Decoder(WeightsReady).decode(_mutated(READY, **changes))
     assert err.value.field == field, str(err.value)
 
 

@@ -1,0 +1,218 @@
+"""The weight-transfer layout and its transports, shared by the learner (rank 0, the sender) and
+the generator workers (ranks 1..N, the receivers).
+
+Parameters are laid end to end into flat ``uint8`` buckets of about ``bucket_bytes`` each, in a
+fixed order; the ``BucketLayout`` list in ``WeightsReady`` tells a receiver how to cut a bucket
+back into named tensors. Every tensor starts at a 64-byte aligned offset, so a receiver can view
+the bytes as the tensor's dtype without copying.
+
+The process group is standalone: a ``TCPStore`` hosted by the learner plus a gloo (CPU) or NCCL
+(GPU) group built directly on it, never ``torch.distributed.init_process_group``, so it cannot
+disturb DeepSpeed's or vLLM's own groups. Every operation has the group's timeout: a peer that
+never shows up makes the call raise instead of hang.
+
+Importing this module imports torch; config-only code paths must not import it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from flywheel.wire import BucketLayout, WeightsReady
+
+ALIGN = 64
+"""Byte alignment of every tensor inside a bucket."""
+
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+}
+TRANSPORT_BACKENDS = {"gloo": "gloo", "nccl": "nccl"}
+"""Transports that run over a process group; ``ipc`` (colocated on one GPU) is a separate path."""
+
+
+class WeightSyncError(RuntimeError):
+    """A weight transfer failed: bad layout, a peer missing its deadline, a transport error."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise WeightSyncError(f"cannot transfer tensors of dtype {dtype}; supported: {sorted(_DTYPES)}")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise WeightSyncError(f"unknown dtype {name!r} in the bucket layout; supported: {sorted(_DTYPES)}") from None
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def tensor_offsets(layout: BucketLayout) -> list[tuple[int, int]]:
+    """(offset, nbytes) of each tensor of a bucket; the same rule on both sides of the wire."""
+    spans = []
+    offset = 0
+    for shape, dtype in zip(layout.shapes, layout.dtypes, strict=True):
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch_dtype(dtype).itemsize
+        spans.append((offset, nbytes))
+        offset = _aligned(offset + nbytes)
+    return spans
+
+
+def plan_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[BucketLayout]:
+    """Group tensors, in order, into buckets of at most ``bucket_bytes`` (a bigger tensor gets its own)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    buckets: list[BucketLayout] = []
+    cur = BucketLayout(names=[], shapes=[], dtypes=[], nbytes=0)
+    for name, t in tensors:
+        size = t.numel() * t.element_size()
+        start = _aligned(cur.nbytes)
+        if cur.names and start + size > bucket_bytes:
+            buckets.append(cur)
+            cur = BucketLayout(names=[], shapes=[], dtypes=[], nbytes=0)
+            start = 0
+        cur.names.append(name)
+        cur.shapes.append(list(t.shape))
+        cur.dtypes.append(dtype_name(t.dtype))
+        cur.nbytes = start + size
+    if cur.names:
+        buckets.append(cur)
+    return buckets
+
+
+def pack_bucket(tensors: list[torch.Tensor], layout: BucketLayout, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Copy ``tensors`` (in layout order) into one flat uint8 buffer."""
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    for t, (off, n) in zip(tensors, tensor_offsets(layout), strict=True):
+        buf[off : off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return buf
+
+
+def unpack_bucket(buf: torch.Tensor, layout: BucketLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views of ``buf`` as the named tensors of ``layout`` (no copy)."""
+    if buf.numel() != layout.nbytes:
+        raise WeightSyncError(f"bucket holds {buf.numel()} bytes, layout says {layout.nbytes}")
+    spans = tensor_offsets(layout)
+    for name, shape, dtype, (off, n) in zip(layout.names, layout.shapes, layout.dtypes, spans, strict=True):
+        if off + n > layout.nbytes:
+            raise WeightSyncError(f"tensor {name} runs past the end of its bucket ({off + n} > {layout.nbytes})")
+        yield name, buf[off : off + n].view(torch_dtype(dtype)).view(shape)
+
+
+def check_layout(buckets: list[BucketLayout], max_bytes: int) -> None:
+    """Reject layouts that would make a receiver allocate nonsense (negative or huge shapes)."""
+    total = 0
+    for i, b in enumerate(buckets):
+        for name, shape in zip(b.names, b.shapes, strict=True):
+            if any(d < 0 for d in shape):
+                raise WeightSyncError(f"buckets[{i}]: tensor {name} has a negative dimension {shape}")
+        spans = tensor_offsets(b)
+        need = spans[-1][0] + spans[-1][1] if spans else 0
+        if need != b.nbytes:
+            raise WeightSyncError(f"buckets[{i}]: nbytes {b.nbytes} does not match its tensors ({need} bytes)")
+        total += b.nbytes
+    if total > max_bytes:
+        raise WeightSyncError(f"layout holds {total} bytes, more than the limit {max_bytes}")
+
+
+@dataclass
+class WeightGroup:
+    """A standalone process group for broadcasting weights from rank 0."""
+
+    pg: dist.ProcessGroup
+    rank: int
+    world_size: int
+    epoch: int
+    device: torch.device
+    store: dist.TCPStore | None = None  # held by rank 0: the rendezvous server lives as long as the group
+
+    def broadcast(self, buf: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        try:
+            self.pg.broadcast([buf], opts).wait()
+        except RuntimeError as err:  # gloo/NCCL raise RuntimeError subclasses on timeouts and dead peers
+            raise WeightSyncError(f"broadcast failed (rank {self.rank}/{self.world_size}): {err}") from err
+
+    def close(self) -> None:
+        try:
+            self.pg.shutdown()
+        except (RuntimeError, AttributeError):
+            pass  # already broken; nothing else to release
+
+
+def host_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """Rank 0: start the rendezvous server on a free port (read it back from ``store.port``)."""
+    return dist.TCPStore(
+        host, 0, None, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def join_group(
+    transport: str,
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    epoch: int,
+    timeout_s: float,
+    store: dist.TCPStore | None = None,
+    device: torch.device | str = "cpu",
+) -> WeightGroup:
+    """Build the group (blocks until every rank joined, at most ``timeout_s``)."""
+    backend = TRANSPORT_BACKENDS.get(transport)
+    if backend is None:
+        raise WeightSyncError(f"transport {transport!r} does not run over a process group; use gloo or nccl")
+    timeout = timedelta(seconds=max(timeout_s, 0.1))
+    try:
+        if store is None:
+            store = dist.TCPStore(host, port, None, is_master=False, timeout=timeout)
+        prefix = dist.PrefixStore(f"flywheel/weights/{epoch}", store)
+        if backend == "gloo":
+            pg: dist.ProcessGroup = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+    except (RuntimeError, dist.DistStoreError) as err:
+        raise WeightSyncError(
+            f"could not join the {transport} weight group at {host}:{port} as rank {rank}/{world_size}: {err}"
+        ) from err
+    return WeightGroup(pg, rank, world_size, epoch, torch.device(device), store if rank == 0 else None)
+
+
+def receive(group: WeightGroup, ready: WeightsReady) -> Iterator[tuple[str, torch.Tensor]]:
+    """Receive every bucket of ``ready``, yielding named tensors bucket by bucket (memory: one bucket)."""
+    for layout in ready.buckets:
+        buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=group.device)
+        group.broadcast(buf)
+        yield from unpack_bucket(buf, layout)
+
+
+def send(group: WeightGroup, buckets: list[BucketLayout], tensors: dict[str, torch.Tensor]) -> float:
+    """Rank 0: broadcast every bucket; returns seconds spent."""
+    start = time.perf_counter()
+    for layout in buckets:
+        buf = pack_bucket([tensors[n] for n in layout.names], layout, group.device)
+        group.broadcast(buf)
+    return time.perf_counter() - start

@@ -1,0 +1,313 @@
+"""The vLLM generator service: leases in, streamed chunks out, new weights taken in flight.
+
+One asyncio loop. Every sample of every lease is one vLLM request, consumed by its own task that
+appends each token delta, with its behaviour log-probability and the version of the weights that
+produced it, to the sample's pending buffer. The loop's tick (every ``flush_interval_ms``) sends
+all pending tokens to the hub as one ChunkBatch, reads leases, acks and revocations, heartbeats
+the hub and the learner, and runs weight updates when a WeightsReady names this generator.
+
+Versions are exact: during an update the engine is paused and the loop waits until every token
+the old weights produced has been consumed before it bumps ``self.version``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+from flywheel.config import FlywheelConfig
+from flywheel.wire import FINISH_REASONS, Chunk, Lease, WeightsReady, pack_f32, pack_i32, unpack_i32
+from generators.hub_link import HubLink
+from generators.sync_link import SyncLink
+
+log = logging.getLogger(__name__)
+
+MIN_LOGPROB = -1e9  # -inf (a token the processed distribution excludes) travels as this finite floor
+
+
+@dataclass
+class SampleRun:
+    """One sample being generated, and what of it the hub has not been sent yet."""
+
+    lease: Lease
+    sample: int
+    tokens: list[int] = field(default_factory=list)  # everything generated so far (resubmission needs it)
+    pending_tokens: list[int] = field(default_factory=list)
+    pending_logprobs: list[float] = field(default_factory=list)
+    pending_versions: list[int] = field(default_factory=list)
+    seq: int = 0
+    finish: str | None = None
+    task: asyncio.Task[None] | None = None
+
+    def add(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
+        self.tokens.extend(token_ids)
+        self.pending_tokens.extend(token_ids)
+        self.pending_logprobs.extend(logprobs)
+        self.pending_versions.extend([version] * len(token_ids))
+
+    def take_chunk(self) -> Chunk | None:
+        if not self.pending_tokens and self.finish is None:
+            return None
+        chunk = Chunk(
+            lease_id=self.lease.lease_id,
+            group_id=self.lease.group_id,
+            sample=self.sample,
+            seq=self.seq,
+            tokens=pack_i32(self.pending_tokens),
+            logprobs=pack_f32(self.pending_logprobs),
+            versions=pack_i32(self.pending_versions),
+            finish_reason=self.finish,
+        )
+        self.seq += 1
+        self.pending_tokens, self.pending_logprobs, self.pending_versions = [], [], []
+        return chunk
+
+
+@dataclass
+class UpdateResult:
+    version: int
+    ok: bool
+    error: str | None
+    seconds: float
+
+
+class GeneratorService:
+    def __init__(
+        self,
+        cfg: FlywheelConfig,
+        engine: Any,  # vllm AsyncLLM (typed loosely: vLLM is imported only after the config is parsed)
+        link: HubLink,
+        sync: SyncLink | None,
+        generator_id: str,
+        max_model_len: int,
+    ) -> None:
+        self.cfg = cfg
+        self.gcfg = cfg.generator
+        self.engine = engine
+        self.link = link
+        self.sync = sync
+        self.generator_id = generator_id
+        self.max_model_len = max_model_len
+        self.version = 0
+        self.weights_valid = True  # False after an update failed half-way: no leases until one succeeds
+        self.samples: dict[int, dict[int, SampleRun]] = {}  # lease id -> sample index -> run
+        self.updates: list[UpdateResult] = []
+        self.tokens_generated = 0
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._interrupts = 0  # bumped by every interrupt-policy update: aborts it caused are resubmitted
+        self._deltas = 0  # token deltas consumed so far; an update waits until this stops moving
+        self._draining_since: float | None = None
+        self._failure: BaseException | None = None
+
+    # ------------------------------------------------------------------ main loop
+
+    async def run(self, max_seconds: float | None = None) -> None:
+        self.link.register(self.version)
+        start = time.monotonic()
+        interval = self.gcfg.flush_interval_ms / 1000
+        while not self._finished(start, max_seconds):
+            self._tick()
+            if self.sync is not None:
+                for ready, raw in self.sync.poll():
+                    if self.generator_id in ready.ranks:
+                        self.updates.append(await self._update(ready, raw))
+            if self._failure is not None:
+                raise RuntimeError("a generation task failed") from self._failure
+            await asyncio.sleep(interval)
+        await self._shutdown()
+
+    def drain(self) -> None:
+        """SIGTERM: take no new leases, finish what is held (for at most drain_timeout_s)."""
+        if self._draining_since is None:
+            log.info("draining: finishing %d leases, taking no new ones", len(self.samples))
+            self._draining_since = time.monotonic()
+            self.link.drain()
+
+    def _finished(self, start: float, max_seconds: float | None) -> bool:
+        if max_seconds is not None and time.monotonic() - start >= max_seconds:
+            return True
+        if self._draining_since is None:
+            return False
+        timed_out = time.monotonic() - self._draining_since >= self.gcfg.drain_timeout_s
+        return not self.samples or timed_out
+
+    def _tick(self) -> None:
+        inbox = self.link.poll(0)
+        for lease in inbox.leases:
+            self._start_lease(lease)
+        for lease_id in inbox.revoked:
+            self._cancel_lease(lease_id)
+        self._flush()
+        self.link.resend_due()
+        self.link.draining = self._draining_since is not None or not self.weights_valid
+        self.link.heartbeat()
+        if self.sync is not None:
+            self.sync.join(self.version, self.gcfg.heartbeat_s)
+
+    async def _shutdown(self) -> None:
+        held = list(self.samples)
+        for lease_id in held:
+            self._cancel_lease(lease_id)
+        self.link.release(held)
+        self._flush()
+        deadline = time.monotonic() + 5.0
+        while self.link.unacked and time.monotonic() < deadline:  # let the hub make our last chunks durable
+            self.link.poll(20)
+            self.link.resend_due()
+        log.info("stopped: %d tokens generated, %d chunks unacknowledged", self.tokens_generated, len(self.link.unacked))
+
+    # ------------------------------------------------------------------ leases and samples
+
+    def _start_lease(self, lease: Lease) -> None:
+        if not self.weights_valid or lease.min_version > self.version or self._draining_since is not None:
+            log.info("returning lease %d (weights v%d, lease needs v%d)", lease.lease_id, self.version, lease.min_version)
+            self.link.release([lease.lease_id])
+            return
+        runs = {s: SampleRun(lease, s) for s in lease.samples}
+        self.samples[lease.lease_id] = runs
+        for run in runs.values():
+            run.task = asyncio.create_task(self._generate(run))
+            run.task.add_done_callback(self._task_done)
+
+    def _cancel_lease(self, lease_id: int) -> None:
+        for run in self.samples.pop(lease_id, {}).values():
+            if run.task is not None:
+                run.task.cancel()  # vLLM aborts the request when its stream is cancelled
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            self._failure = task.exception()
+
+    async def _generate(self, run: SampleRun) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        lease, sp = run.lease, run.lease.sampling
+        prompt = unpack_i32(lease.prompt_tokens).tolist()
+        attempt = 0
+        while True:
+            await self._resumed.wait()
+            max_new = min(sp.max_tokens - len(run.tokens), self.max_model_len - len(prompt) - len(run.tokens))
+            if max_new <= 0:
+                run.finish = "length"
+                return
+            seed = None if sp.seed is None else (sp.seed * 1_000_003 + lease.group_id * 7919 + run.sample * 31 + attempt)
+            params = SamplingParams(
+                max_tokens=max_new,
+                temperature=sp.temperature,
+                top_p=sp.top_p,
+                top_k=sp.top_k,
+                seed=None if seed is None else seed % (1 << 31),
+                stop_token_ids=list(sp.stop_token_ids),
+                logprobs=0,
+                output_kind=RequestOutputKind.DELTA,
+                detokenize=False,
+            )
+            request_id = f"{self.generator_id}-{lease.lease_id}-{run.sample}-{attempt}"
+            interrupts_before = self._interrupts
+            finish = None
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt + run.tokens), params, request_id):
+                completion = out.outputs[0]
+                ids = list(completion.token_ids)
+                if ids:
+                    lps = [max(MIN_LOGPROB, min(0.0, completion.logprobs[i][t].logprob)) for i, t in enumerate(ids)]
+                    run.add(ids, lps, self.version)
+                    self.tokens_generated += len(ids)
+                    self._deltas += 1
+                finish = completion.finish_reason or finish
+            if finish == "abort" and self._interrupts != interrupts_before:
+                attempt += 1  # aborted by an interrupt-policy update: go on from the partial tokens
+                continue
+            run.finish = finish if finish in FINISH_REASONS else "abort"
+            return
+
+    def _flush(self) -> None:
+        """Send every sample's new tokens as one batch; retire finished samples and leases."""
+        if self.link.window_full():
+            return  # flow control: tokens wait in the sample buffers until the hub catches up
+        chunks = []
+        for lease_id in list(self.samples):
+            runs = self.samples[lease_id]
+            for index in list(runs):
+                chunk = runs[index].take_chunk()
+                if chunk is not None:
+                    chunks.append(chunk)
+                if runs[index].finish is not None:
+                    del runs[index]
+            if not runs:
+                del self.samples[lease_id]
+                self.link.lease_done(lease_id)
+        self.link.send_chunks(chunks)
+
+    # ------------------------------------------------------------------ weight updates
+
+    async def _update(self, ready: WeightsReady, raw: bytes) -> UpdateResult:
+        start = time.perf_counter()
+        if time.time() > ready.deadline:
+            return self._after_update(ready, "its deadline passed before this generator read it", False, start)
+        interrupt = self.cfg.async_.partial_rollout == "interrupt"
+        if interrupt:
+            self._interrupts += 1
+            self._resumed.clear()
+        await self.engine.pause_generation(mode="abort" if interrupt else "keep", clear_cache=False)
+        try:
+            await self._quiesce()
+            error, touched = await self._load(ready, raw)
+            if error is None:
+                self.version = ready.version
+            # Cached KV (prefix cache and running requests) came from the old weights: recompute it.
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
+        finally:
+            await self.engine.resume_generation()
+            self._resumed.set()
+        return self._after_update(ready, error, touched, start)
+
+    async def _load(self, ready: WeightsReady, raw: bytes) -> tuple[str | None, bool]:
+        first_rank = ready.ranks[self.generator_id]
+        budget = max(0.1, ready.deadline - time.time()) + 5.0  # the workers' own timeout fires first
+        try:
+            results = await asyncio.wait_for(
+                self.engine.collective_rpc(
+                    "flywheel_update_weights", args=(raw, first_rank, self.gcfg.max_weight_bytes)
+                ),
+                timeout=budget,
+            )
+        except TimeoutError:
+            return f"workers did not finish loading version {ready.version} within {budget:.0f}s", True
+        errors = [r["error"] for r in results if not r["ok"]]
+        return (errors[0] if errors else None), any(r["touched"] for r in results)
+
+    async def _quiesce(self) -> None:
+        """Wait until every token the engine produced before the pause has been consumed."""
+        deadline = time.monotonic() + 2.0
+        seen = -1
+        while seen != self._deltas and time.monotonic() < deadline:
+            seen = self._deltas
+            await asyncio.sleep(0.005)
+
+    def _after_update(self, ready: WeightsReady, error: str | None, touched: bool, start: float) -> UpdateResult:
+        seconds = time.perf_counter() - start
+        if error is None:
+            self.weights_valid = True
+            log.info("now serving weights v%d (update took %.3fs)", self.version, seconds)
+        else:
+            log.error("could not load weights v%d: %s", ready.version, error)
+            if touched:
+                self.weights_valid = False  # half-loaded: serve nothing until a sync succeeds
+            # Our weights are behind the learner's now: give the work back rather than keep stale leases.
+            held = list(self.samples)
+            for lease_id in held:
+                self._cancel_lease(lease_id)
+            self.link.release(held)
+        assert self.sync is not None
+        self.sync.ack(self.version if error is None else ready.version, ready.epoch, error, seconds)
+        self.link.draining = self._draining_since is not None or not self.weights_valid
+        self.link.set_weight_version(self.version)
+        return UpdateResult(ready.version, error is None, error, seconds)
+

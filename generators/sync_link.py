@@ -1,0 +1,70 @@
+"""A generator's connection to the learner's weight sync: SUB for WeightsReady, DEALER for
+SyncJoin (every heartbeat) and WeightsAck."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import Counter
+
+import zmq
+
+from flywheel.wire import Decoder, SyncJoin, WeightsAck, WeightsReady, WireError, encode
+
+log = logging.getLogger(__name__)
+
+
+class SyncLink:
+    def __init__(self, host: str, announce_port: int, join_port: int, generator_id: str, workers: int) -> None:
+        self.generator_id = generator_id
+        self.workers = workers
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(f"tcp://{host}:{announce_port}")
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.setsockopt(zmq.IDENTITY, generator_id.encode())
+        self.dealer.connect(f"tcp://{host}:{join_port}")
+        self.decoder = Decoder(WeightsReady)
+        self.rejected: Counter[str] = Counter()
+        # A SUB socket misses what is published before its subscription reaches the publisher:
+        # announce ourselves only after giving it time, so we are never in a group we cannot hear.
+        self._join_after = time.monotonic() + 0.5
+        self._last_join = 0.0
+
+    def join(self, version: int, every_s: float) -> None:
+        now = time.monotonic()
+        if now >= self._join_after and now - self._last_join >= every_s:
+            self._last_join = now
+            msg = SyncJoin(generator_id=self.generator_id, version=version, workers=self.workers)
+            with contextlib.suppress(zmq.Again):
+                self.dealer.send(encode(msg), zmq.NOBLOCK)
+
+    def poll(self) -> list[tuple[WeightsReady, bytes]]:
+        """Every valid WeightsReady received (with its encoded form, passed on to the workers)."""
+        out = []
+        while True:
+            try:
+                payload = self.sub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            try:
+                msg = self.decoder.decode(payload)
+            except WireError as err:
+                self.rejected[err.reason] += 1
+                log.error("rejected a WeightsReady: %s", err)
+                continue
+            assert isinstance(msg, WeightsReady)
+            out.append((msg, payload))
+
+    def ack(self, version: int, epoch: int, error: str | None, seconds: float) -> None:
+        msg = WeightsAck(generator_id=self.generator_id, version=version, epoch=epoch, error=error, seconds=seconds)
+        with contextlib.suppress(zmq.Again):
+            self.dealer.send(encode(msg), zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        self.dealer.close(linger=0)

@@ -1,0 +1,88 @@
+"""Code that runs inside each vLLM worker (``worker_extension_cls``): it joins the learner's
+weight group and reloads the received weights in place, without restarting the engine.
+
+Called through ``AsyncLLM.collective_rpc("flywheel_update_weights", ...)``. Tensors cannot travel
+as RPC arguments, so the call carries the encoded ``WeightsReady`` and the weights themselves
+arrive over the process group (gloo on CPUs, NCCL on GPUs), one bucket at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from flywheel.weights import WeightGroup, WeightSyncError, check_layout, join_group, receive
+from flywheel.wire import Decoder, WeightsReady, WireError
+
+
+class WeightReceiverExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker (``model_runner``, ``device``, ...)."""
+
+    _flywheel_group: WeightGroup | None = None
+
+    def flywheel_update_weights(self, ready_bytes: bytes, first_rank: int, max_bytes: int) -> dict[str, Any]:
+        """Receive and load the weights of one sync. Never raises: the result says what happened.
+
+        ``touched`` tells the caller whether the model's weights were partly overwritten before a
+        failure, in which case this worker must not generate until a sync succeeds.
+        """
+        start = time.perf_counter()
+        touched = False
+        try:
+            ready = Decoder(WeightsReady).decode(ready_bytes)
+            check_layout(ready.buckets, max_bytes)
+            group = self._flywheel_join(ready, first_rank + self._flywheel_tp_rank())
+            loaded = 0
+
+            def stream() -> Any:
+                nonlocal touched, loaded
+                for name, tensor in receive(group, ready):
+                    touched = True
+                    loaded += 1
+                    yield name, tensor
+
+            self.model_runner.reload_weights(weights_iterator=stream())  # type: ignore[attr-defined]
+            expected = sum(len(b.names) for b in ready.buckets)
+            if loaded != expected:
+                raise WeightSyncError(f"loaded {loaded} of {expected} tensors")
+        except (WeightSyncError, WireError, ValueError, KeyError, RuntimeError) as err:
+            self._flywheel_drop_group()
+            return {"ok": False, "error": f"{type(err).__name__}: {err}", "touched": touched}
+        return {"ok": True, "error": None, "touched": touched, "seconds": time.perf_counter() - start}
+
+    def flywheel_weight_digest(self) -> list[tuple[str, float]]:
+        """Sum of each parameter (tests compare it with the learner's model)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return [(name, float(p.detach().float().sum())) for name, p in model.named_parameters()]
+
+    def _flywheel_join(self, ready: WeightsReady, rank: int) -> WeightGroup:
+        group = self._flywheel_group
+        if group is not None and group.epoch == ready.epoch:
+            return group
+        self._flywheel_drop_group()
+        timeout = ready.deadline - time.time()
+        if timeout <= 0:
+            raise WeightSyncError(f"the deadline of version {ready.version} passed before this worker could join")
+        group = join_group(
+            ready.transport,
+            ready.master_addr,
+            ready.master_port,
+            rank,
+            ready.world_size,
+            ready.epoch,
+            timeout,
+            device=self.device,  # type: ignore[attr-defined]
+        )
+        self._flywheel_group = group
+        return group
+
+    def _flywheel_drop_group(self) -> None:
+        if self._flywheel_group is not None:
+            self._flywheel_group.close()
+            self._flywheel_group = None
+
+    @staticmethod
+    def _flywheel_tp_rank() -> int:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())

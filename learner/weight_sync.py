@@ -1,0 +1,213 @@
+"""Learner rank 0's side of the weight sync: who is in the group, and the broadcast itself.
+
+Generators announce themselves with ``SyncJoin`` on the learner's ROUTER socket (every heartbeat).
+A sync publishes ``WeightsReady`` on the PUB socket, builds the process group when its membership
+changed (the learner hosts the rendezvous store), broadcasts the buckets and waits for every
+member's ``WeightsAck`` until the deadline. A member that errs or misses the deadline is evicted
+and the group is rebuilt at the next sync; the learner never waits past the deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from flywheel.config import SyncConfig
+from flywheel.weights import WeightGroup, WeightSyncError, host_store, join_group, plan_buckets, send
+from flywheel.wire import Decoder, SyncJoin, ToLearner, WeightsAck, WeightsReady, WireError, encode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Member:
+    workers: int
+    version: int
+    last_seen: float
+
+
+@dataclass
+class SyncReport:
+    """What one sync did (logged by the learner, asserted by tests, measured by benchmarks)."""
+
+    version: int
+    members: list[str] = field(default_factory=list)  # generators the weights were sent to
+    acked: list[str] = field(default_factory=list)  # ... that confirmed they serve `version`
+    evicted: dict[str, str] = field(default_factory=dict)  # generator -> why
+    nbytes: int = 0
+    buckets: int = 0
+    rebuilt_group: bool = False
+    join_s: float = 0.0  # building the group (only when rebuilt)
+    broadcast_s: float = 0.0  # sending every bucket
+    total_s: float = 0.0  # announce -> last ack
+
+
+class WeightBroadcaster:
+    def __init__(self, cfg: SyncConfig, device: torch.device | str = "cpu", bind_host: str | None = None) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.transport = cfg.transport if cfg.transport != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        bind = bind_host or cfg.host
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(f"tcp://{bind}:{cfg.announce_port}")
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(f"tcp://{bind}:{cfg.join_port}")
+        self.decoder = Decoder(ToLearner)
+        self.members: dict[str, Member] = {}
+        self.group: WeightGroup | None = None
+        self.group_ranks: dict[str, int] = {}
+        self.epoch = 0
+        self.rejected = 0
+        self._acks: dict[str, WeightsAck] = {}
+        self._store_port = 0  # rendezvous port of the current group
+
+    # ------------------------------------------------------------------ membership
+
+    def poll(self, timeout_ms: int = 0) -> None:
+        """Take in every SyncJoin and WeightsAck that arrived (waiting at most ``timeout_ms``)."""
+        if not self.router.poll(timeout_ms, zmq.POLLIN):
+            return
+        while True:
+            try:
+                identity, payload = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:  # not two frames: a peer that does not speak our protocol
+                self.rejected += 1
+                continue
+            try:
+                msg = self.decoder.decode(payload)
+            except WireError as err:
+                self.rejected += 1
+                log.warning("bad message on the sync socket from %r: %s", identity, err)
+                continue
+            now = time.monotonic()
+            if isinstance(msg, SyncJoin):
+                if msg.generator_id not in self.members:
+                    log.info("generator %s joins the weight sync (v%d, %d workers)", msg.generator_id, msg.version, msg.workers)
+                self.members[msg.generator_id] = Member(msg.workers, msg.version, now)
+            elif isinstance(msg, WeightsAck):
+                self._acks[msg.generator_id] = msg
+                member = self.members.get(msg.generator_id)
+                if member is not None:
+                    member.last_seen = now
+                    if msg.error is None:
+                        member.version = msg.version
+
+    def last_ack(self, generator_id: str) -> WeightsAck | None:
+        """The latest WeightsAck from a generator since the last sync started."""
+        return self._acks.get(generator_id)
+
+    def live_members(self) -> dict[str, Member]:
+        now = time.monotonic()
+        for gen_id in [g for g, m in self.members.items() if now - m.last_seen > self.cfg.member_timeout_s]:
+            log.warning("generator %s silent for %.0fs: leaves the weight sync", gen_id, self.cfg.member_timeout_s)
+            del self.members[gen_id]
+        return dict(self.members)
+
+    def wait_for_members(self, n: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while len(self.live_members()) < n:
+            if time.monotonic() > deadline:
+                return False
+            self.poll(50)
+        return True
+
+    # ------------------------------------------------------------------ the sync
+
+    def sync(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
+        """Broadcast ``named_tensors`` as ``version`` to every live member. Returns within the deadline."""
+        started = time.perf_counter()
+        self.poll()
+        members = self.live_members()
+        report = SyncReport(version=version)
+        if not members:
+            return report
+        tensors = dict(named_tensors)
+        buckets = plan_buckets(tensors.items(), int(self.cfg.bucket_mb * (1 << 20)))
+        report.buckets, report.nbytes = len(buckets), sum(b.nbytes for b in buckets)
+        store = None
+        if self.group is None or set(members) != set(self.group_ranks):
+            self._close_group()
+            self.epoch += 1
+            self.group_ranks = {}
+            rank = 1
+            for gen_id in sorted(members):
+                self.group_ranks[gen_id] = rank
+                rank += members[gen_id].workers
+            store = host_store(self.cfg.host, self.cfg.timeout_s)
+            report.rebuilt_group = True
+        report.members = sorted(self.group_ranks)
+        deadline = time.time() + self.cfg.timeout_s
+        world = 1 + sum(members[g].workers for g in self.group_ranks)
+        ready = WeightsReady(
+            version=version,
+            buckets=buckets,
+            transport=self.transport,
+            deadline=deadline,
+            epoch=self.epoch,
+            master_addr=self.cfg.host,
+            master_port=store.port if store is not None else self._store_port,
+            world_size=world,
+            ranks=self.group_ranks,
+        )
+        self._acks.clear()
+        self.pub.send(encode(ready))
+        try:
+            if store is not None:
+                t0 = time.perf_counter()
+                self.group = join_group(
+                    self.transport, self.cfg.host, store.port, 0, world, self.epoch, self.cfg.timeout_s, store, self.device
+                )
+                self._store_port = store.port
+                report.join_s = time.perf_counter() - t0
+            assert self.group is not None
+            report.broadcast_s = send(self.group, buckets, tensors)
+        except WeightSyncError as err:
+            log.error("weight sync v%d failed: %s; the group is rebuilt at the next sync", version, err)
+            self._close_group()
+        self._collect_acks(version, deadline, report)
+        report.total_s = time.perf_counter() - started
+        return report
+
+    def _collect_acks(self, version: int, deadline: float, report: SyncReport) -> None:
+        waiting = set(report.members)
+        while waiting and time.time() < deadline:
+            self.poll(int(min(50, max(1, (deadline - time.time()) * 1000))))
+            for gen_id in list(waiting):
+                ack = self._acks.get(gen_id)
+                if ack is None or ack.epoch != self.epoch:
+                    continue
+                waiting.discard(gen_id)
+                if ack.error is None and ack.version == version:
+                    report.acked.append(gen_id)
+                else:
+                    report.evicted[gen_id] = ack.error or f"acked version {ack.version}"
+        for gen_id in waiting:
+            report.evicted[gen_id] = "missed the deadline"
+        if report.evicted:
+            log.warning("weight sync v%d: evicted %s", version, report.evicted)
+            for gen_id in report.evicted:
+                self.members.pop(gen_id, None)  # it rejoins with its next SyncJoin
+            self._close_group()
+
+    def _close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group = None
+        self.group_ranks = {}
+
+    def close(self) -> None:
+        self._close_group()
+        with contextlib.suppress(zmq.ZMQError):
+            self.pub.close(linger=0)
+            self.router.close(linger=0)

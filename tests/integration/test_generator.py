@@ -1,0 +1,226 @@
+"""The vLLM generator service against a real hub, a real reward worker and the learner's real
+weight broadcaster: log-probabilities, in-flight weight updates, crashes and bad syncs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import redis
+import torch
+
+from flywheel.config import SyncConfig
+from flywheel.hub_client import Batch, BatchClient, RolloutSample
+from flywheel.redis_server import free_port
+from flywheel.staleness import StalenessPolicy
+from flywheel.store import RunKeys
+from flywheel.weights import host_store
+from flywheel.wire import BucketLayout, WeightsReady, encode
+from learner.weight_sync import WeightBroadcaster
+from tests.conftest import Cluster, wait_until
+
+STALENESS = 100  # these tests drive versions by hand; admission must not get in the way
+
+
+@pytest.fixture
+def broadcaster() -> Iterator[WeightBroadcaster]:
+    wb = WeightBroadcaster(SyncConfig(announce_port=free_port(), join_port=free_port(), timeout_s=20))
+    yield wb
+    wb.close()
+
+
+def sync_ports(wb: WeightBroadcaster) -> tuple[int, int]:
+    return wb.cfg.announce_port, wb.cfg.join_port
+
+
+def start_hub(cluster: Cluster, *overrides: str) -> None:
+    cluster.start_hub(
+        "--async.max_staleness",
+        str(STALENESS),
+        "--async.groups_per_step",
+        "2",
+        "--data.n_samples_per_prompt",
+        "2",
+        *overrides,
+    )
+    cluster.start_reward()
+
+
+def client(cluster: Cluster) -> BatchClient:
+    return BatchClient(redis.Redis.from_url(cluster.redis.url), "flywheel", StalenessPolicy(STALENESS, 2))
+
+
+def claim(c: BatchClient, n: int, timeout_s: float = 120.0) -> Batch:
+    return c.claim(n, c.get_version(), timeout_s=timeout_s)
+
+
+def hf(path: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A different policy: every weight moved by noise (what a few optimizer steps would do)."""
+    import copy
+
+    new = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5 * p.std())
+    return new
+
+
+def teacher_forced(model: torch.nn.Module, prompt: np.ndarray, response: np.ndarray) -> torch.Tensor:
+    """Logits at every response position, given prompt + the response tokens before it."""
+    ids = torch.tensor(np.concatenate([prompt, response]), dtype=torch.long)[None]
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(response)]
+
+
+def tokens_in_flight(cluster: Cluster) -> bool:
+    r = redis.Redis.from_url(cluster.redis.url)
+    return any(k.startswith(b"c:") for gid in r.smembers(RunKeys("flywheel").open) for k in r.hkeys(RunKeys("flywheel").group(int(gid))))
+
+
+def test_streamed_logprobs_match_a_hf_forward_pass(
+    cluster: Cluster, checkpoint_dir: Path, broadcaster: WeightBroadcaster
+) -> None:
+    start_hub(cluster, "--rollout.max_tokens", "24", "--rollout.temperature", "0.8")
+    cluster.start_generator("g0", checkpoint_dir, sync_ports(broadcaster))
+    batch = claim(client(cluster), 4)
+    model = hf(checkpoint_dir)
+    n_tokens = 0
+    for group in batch.groups:
+        for s in group.samples:
+            assert len(s.tokens) > 0 and (s.versions == 0).all()
+            assert s.finish_reason in ("stop", "length")
+            logits = teacher_forced(model, group.prompt_tokens, s.tokens)
+            expected = torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(s.tokens, dtype=torch.long)[:, None])
+            np.testing.assert_allclose(s.logprobs, expected[:, 0].numpy(), atol=2e-3)
+            n_tokens += len(s.tokens)
+    assert n_tokens >= 8 * 2
+
+
+def check_versions_and_tokens(
+    sample: RolloutSample, prompt: np.ndarray, models: dict[int, torch.nn.Module]
+) -> None:
+    """Greedy tokens must be the argmax of the policy version each one is labelled with."""
+    assert (np.diff(sample.versions) >= 0).all(), f"versions go backwards: {sample.versions}"
+    for version, model in models.items():
+        mask = sample.versions == version
+        if mask.any():
+            argmax = teacher_forced(model, prompt, sample.tokens).argmax(-1).numpy()
+            wrong = np.flatnonzero((argmax != sample.tokens) & mask)
+            assert len(wrong) == 0, f"tokens {wrong.tolist()} labelled v{version} are not that policy's greedy choice"
+
+
+@pytest.mark.parametrize("policy", ["keep", "interrupt"])
+def test_update_mid_generation_switches_versions_inside_a_sample(
+    cluster: Cluster, checkpoint_dir: Path, broadcaster: WeightBroadcaster, policy: str
+) -> None:
+    start_hub(cluster, "--rollout.max_tokens", "400", "--rollout.temperature", "0")
+    cluster.start_generator("g0", checkpoint_dir, sync_ports(broadcaster), "--async.partial_rollout", policy)
+    assert broadcaster.wait_for_members(1, timeout_s=120), "the generator never joined the weight sync"
+    wait_until(lambda: tokens_in_flight(cluster), 60, "tokens streaming into the hub")
+    v0 = hf(checkpoint_dir)
+    v1 = perturbed(v0, seed=1)
+    report = broadcaster.sync(1, v1.state_dict().items())
+    assert report.acked == ["g0"], report
+    c = client(cluster)
+    c.set_version(1)
+    mixed = only_new = 0
+    deadline = time.monotonic() + 180
+    while (mixed == 0 or only_new == 0) and time.monotonic() < deadline:
+        batch = claim(c, 1)
+        for group in batch.groups:
+            for s in group.samples:
+                check_versions_and_tokens(s, group.prompt_tokens, {0: v0, 1: v1})
+                mixed += int(s.versions[0] == 0 and s.versions[-1] == 1)
+                only_new += int(s.versions[0] == 1)
+    assert mixed > 0, "no sample spanned the update"
+    assert only_new > 0, "no sample was generated entirely by the new weights"
+
+
+def test_killed_generator_lease_is_reissued_and_completed_by_another(
+    cluster: Cluster, checkpoint_dir: Path, broadcaster: WeightBroadcaster
+) -> None:
+    start_hub(cluster, "--rollout.max_tokens", "300", "--hub.generator_timeout_s", "3", "--hub.lease_timeout_s", "30")
+    doomed = cluster.start_generator("doomed", checkpoint_dir, sync_ports(broadcaster), "--generator.capacity", "64")
+    wait_until(lambda: tokens_in_flight(cluster), 120, "the first generator streaming")
+    doomed.kill9()
+    cluster.start_generator("rescuer", checkpoint_dir, sync_ports(broadcaster))
+    c = client(cluster)
+    batch = claim(c, 4, timeout_s=180)
+    assert sorted(g.group_id for g in batch.groups) == [0, 1, 2, 3]  # the groups the dead one held
+    counters = c.counters()
+    assert counters.get("leases_reissued", 0) >= 1, counters
+    for group in batch.groups:
+        for s in group.samples:
+            assert s.finish_reason in ("stop", "length") and len(s.tokens) > 0
+
+
+def test_bad_weights_ready_and_a_broadcast_that_never_comes(
+    cluster: Cluster, checkpoint_dir: Path, broadcaster: WeightBroadcaster
+) -> None:
+    start_hub(cluster, "--rollout.max_tokens", "16")
+    gen = cluster.start_generator("g0", checkpoint_dir, sync_ports(broadcaster))
+    assert broadcaster.wait_for_members(1, timeout_s=120)
+    # 1. garbage and a malformed WeightsReady on the announce socket: rejected, nothing else happens
+    broadcaster.pub.send(b"\x00garbage")
+    bad = msgspec.msgpack.decode(encode(_ready(1, 1234, deadline=time.time() + 30)))
+    bad["world_size"] = -3
+    broadcaster.pub.send(msgspec.msgpack.encode(bad))
+    # 2. a valid announcement whose broadcast never comes: the generator gives up at the deadline
+    store = host_store("127.0.0.1", 30)
+    started = time.monotonic()
+    broadcaster.pub.send(encode(_ready(1, store.port, deadline=time.time() + 3)))
+    ack = wait_for_ack(broadcaster, "g0", timeout_s=30)
+    assert ack.error is not None and ack.version == 1, ack
+    assert time.monotonic() - started < 3 + 10, "the generator waited far past the deadline"
+    assert gen.alive()
+    # 3. the generator still works: a real sync lands and new samples carry its version
+    model = perturbed(hf(checkpoint_dir), seed=2)
+    assert broadcaster.wait_for_members(1, timeout_s=30)
+    report = broadcaster.sync(2, model.state_dict().items())
+    assert report.acked == ["g0"], report
+    c = client(cluster)
+    c.set_version(2)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        group = claim(c, 1).groups[0]
+        if group.samples[0].versions[0] == 2:
+            break
+    else:
+        raise AssertionError("no sample generated with the weights of the real sync")
+    assert "rejected a WeightsReady" in gen.tail(400) or "rejected a WeightsReady" in gen.log_path.read_text()
+
+
+def _ready(version: int, port: int, deadline: float) -> WeightsReady:
+    return WeightsReady(
+        version=version,
+        buckets=[BucketLayout(names=["lm_head.weight"], shapes=[[512, 128]], dtypes=["float32"], nbytes=512 * 128 * 4)],
+        transport="gloo",
+        deadline=deadline,
+        epoch=1000 + version,
+        master_addr="127.0.0.1",
+        master_port=port,
+        world_size=2,
+        ranks={"g0": 1},
+    )
+
+
+def wait_for_ack(wb: WeightBroadcaster, gen_id: str, timeout_s: float):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        wb.poll(50)
+        ack = wb.last_ack(gen_id)
+        if ack is not None:
+            return ack
+    raise AssertionError(f"no WeightsAck from {gen_id} within {timeout_s}s")
