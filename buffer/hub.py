@@ -323,7 +323,9 @@ class Hub:
         """A generator gave leases back unfinished: re-issue their unfinished samples now."""
         gen = self.generators.get(msg.generator_id)
         if gen is None or gen.identity != identity:
-            self.rejects.reject("unregistered_generator", f"release from {msg.generator_id!r} before Register", identity)
+            self.rejects.reject(
+                "unregistered_generator", f"release from {msg.generator_id!r} before Register", identity
+            )
             return
         released = [i for i in msg.lease_ids if i in gen.leases]
         for lease_id in released:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 
@@ -85,7 +86,7 @@ def build_model(
     hidden = hidden or h
     layers = layers or n_layers
     torch.manual_seed(seed)
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -98,6 +99,7 @@ def build_model(
         pad_token_id=3,
         tie_word_embeddings=False,
     )
+    model: LlamaForCausalLM | Qwen2ForCausalLM
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "qwen2":

@@ -16,10 +16,12 @@ Importing this module imports torch; config-only code paths must not import it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -139,7 +141,7 @@ def check_layout(buckets: list[BucketLayout], max_bytes: int) -> None:
 class WeightGroup:
     """A standalone process group for broadcasting weights from rank 0."""
 
-    pg: dist.ProcessGroup
+    pg: Any  # ProcessGroupGloo or ProcessGroupNCCL
     rank: int
     world_size: int
     epoch: int
@@ -155,17 +157,13 @@ class WeightGroup:
             raise WeightSyncError(f"broadcast failed (rank {self.rank}/{self.world_size}): {err}") from err
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(RuntimeError, AttributeError):  # already broken: nothing to release
             self.pg.shutdown()
-        except (RuntimeError, AttributeError):
-            pass  # already broken; nothing else to release
 
 
 def host_store(host: str, timeout_s: float) -> dist.TCPStore:
     """Rank 0: start the rendezvous server on a free port (read it back from ``store.port``)."""
-    return dist.TCPStore(
-        host, 0, None, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-    )
+    return dist.TCPStore(host, 0, None, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def join_group(
@@ -189,7 +187,7 @@ def join_group(
             store = dist.TCPStore(host, port, None, is_master=False, timeout=timeout)
         prefix = dist.PrefixStore(f"flywheel/weights/{epoch}", store)
         if backend == "gloo":
-            pg: dist.ProcessGroup = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+            pg: Any = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
         else:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout

@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from flywheel.config import FlywheelConfig
 from flywheel.wire import FINISH_REASONS, Chunk, Lease, WeightsReady, pack_f32, pack_i32, unpack_i32
 from generators.hub_link import HubLink
@@ -159,13 +158,17 @@ class GeneratorService:
         while self.link.unacked and time.monotonic() < deadline:  # let the hub make our last chunks durable
             self.link.poll(20)
             self.link.resend_due()
-        log.info("stopped: %d tokens generated, %d chunks unacknowledged", self.tokens_generated, len(self.link.unacked))
+        log.info(
+            "stopped: %d tokens generated, %d chunks unacknowledged", self.tokens_generated, len(self.link.unacked)
+        )
 
     # ------------------------------------------------------------------ leases and samples
 
     def _start_lease(self, lease: Lease) -> None:
         if not self.weights_valid or lease.min_version > self.version or self._draining_since is not None:
-            log.info("returning lease %d (weights v%d, lease needs v%d)", lease.lease_id, self.version, lease.min_version)
+            log.info(
+                "returning lease %d (weights v%d, lease needs v%d)", lease.lease_id, self.version, lease.min_version
+            )
             self.link.release([lease.lease_id])
             return
         runs = {s: SampleRun(lease, s) for s in lease.samples}
@@ -197,7 +200,9 @@ class GeneratorService:
             if max_new <= 0:
                 run.finish = "length"
                 return
-            seed = None if sp.seed is None else (sp.seed * 1_000_003 + lease.group_id * 7919 + run.sample * 31 + attempt)
+            seed = (
+                None if sp.seed is None else (sp.seed * 1_000_003 + lease.group_id * 7919 + run.sample * 31 + attempt)
+            )
             params = SamplingParams(
                 max_tokens=max_new,
                 temperature=sp.temperature,
@@ -212,7 +217,9 @@ class GeneratorService:
             request_id = f"{self.generator_id}-{lease.lease_id}-{run.sample}-{attempt}"
             interrupts_before = self._interrupts
             finish = None
-            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt + run.tokens), params, request_id):
+            async for out in self.engine.generate(
+                TokensPrompt(prompt_token_ids=prompt + run.tokens), params, request_id
+            ):
                 completion = out.outputs[0]
                 ids = list(completion.token_ids)
                 if ids:
@@ -310,4 +317,3 @@ class GeneratorService:
         self.link.draining = self._draining_since is not None or not self.weights_valid
         self.link.set_weight_version(self.version)
         return UpdateResult(ready.version, error is None, error, seconds)
-

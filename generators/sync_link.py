@@ -45,7 +45,7 @@ class SyncLink:
 
     def poll(self) -> list[tuple[WeightsReady, bytes]]:
         """Every valid WeightsReady received (with its encoded form, passed on to the workers)."""
-        out = []
+        out: list[tuple[WeightsReady, bytes]] = []
         while True:
             try:
                 payload = self.sub.recv(zmq.NOBLOCK)

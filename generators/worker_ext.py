@@ -30,6 +30,7 @@ class WeightReceiverExtension:
         touched = False
         try:
             ready = Decoder(WeightsReady).decode(ready_bytes)
+            assert isinstance(ready, WeightsReady)
             check_layout(ready.buckets, max_bytes)
             group = self._flywheel_join(ready, first_rank + self._flywheel_tp_rank())
             loaded = 0

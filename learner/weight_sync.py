@@ -52,7 +52,9 @@ class WeightBroadcaster:
     def __init__(self, cfg: SyncConfig, device: torch.device | str = "cpu", bind_host: str | None = None) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
-        self.transport = cfg.transport if cfg.transport != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
+        self.transport = (
+            cfg.transport if cfg.transport != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
+        )
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         bind = bind_host or cfg.host
         self.pub = self.ctx.socket(zmq.PUB)
@@ -93,7 +95,12 @@ class WeightBroadcaster:
             now = time.monotonic()
             if isinstance(msg, SyncJoin):
                 if msg.generator_id not in self.members:
-                    log.info("generator %s joins the weight sync (v%d, %d workers)", msg.generator_id, msg.version, msg.workers)
+                    log.info(
+                        "generator %s joins the weight sync (v%d, %d workers)",
+                        msg.generator_id,
+                        msg.version,
+                        msg.workers,
+                    )
                 self.members[msg.generator_id] = Member(msg.workers, msg.version, now)
             elif isinstance(msg, WeightsAck):
                 self._acks[msg.generator_id] = msg
@@ -166,7 +173,15 @@ class WeightBroadcaster:
             if store is not None:
                 t0 = time.perf_counter()
                 self.group = join_group(
-                    self.transport, self.cfg.host, store.port, 0, world, self.epoch, self.cfg.timeout_s, store, self.device
+                    self.transport,
+                    self.cfg.host,
+                    store.port,
+                    0,
+                    world,
+                    self.epoch,
+                    self.cfg.timeout_s,
+                    store,
+                    self.device,
                 )
                 self._store_port = store.port
                 report.join_s = time.perf_counter() - t0

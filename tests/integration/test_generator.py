@@ -3,6 +3,7 @@ weight broadcaster: log-probabilities, in-flight weight updates, crashes and bad
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,7 +87,11 @@ def teacher_forced(model: torch.nn.Module, prompt: np.ndarray, response: np.ndar
 
 def tokens_in_flight(cluster: Cluster) -> bool:
     r = redis.Redis.from_url(cluster.redis.url)
-    return any(k.startswith(b"c:") for gid in r.smembers(RunKeys("flywheel").open) for k in r.hkeys(RunKeys("flywheel").group(int(gid))))
+    return any(
+        k.startswith(b"c:")
+        for gid in r.smembers(RunKeys("flywheel").open)
+        for k in r.hkeys(RunKeys("flywheel").group(int(gid)))
+    )
 
 
 def test_streamed_logprobs_match_a_hf_forward_pass(
@@ -108,9 +113,7 @@ def test_streamed_logprobs_match_a_hf_forward_pass(
     assert n_tokens >= 8 * 2
 
 
-def check_versions_and_tokens(
-    sample: RolloutSample, prompt: np.ndarray, models: dict[int, torch.nn.Module]
-) -> None:
+def check_versions_and_tokens(sample: RolloutSample, prompt: np.ndarray, models: dict[int, torch.nn.Module]) -> None:
     """Greedy tokens must be the argmax of the policy version each one is labelled with."""
     assert (np.diff(sample.versions) >= 0).all(), f"versions go backwards: {sample.versions}"
     for version, model in models.items():
@@ -166,10 +169,13 @@ def test_killed_generator_lease_is_reissued_and_completed_by_another(
             assert s.finish_reason in ("stop", "length") and len(s.tokens) > 0
 
 
-def test_bad_weights_ready_and_a_broadcast_that_never_comes(
+def test_bad_syncs_late_weights_and_drain(
     cluster: Cluster, checkpoint_dir: Path, broadcaster: WeightBroadcaster
 ) -> None:
-    start_hub(cluster, "--rollout.max_tokens", "16")
+    """Garbage and a broadcast that never comes cost a generator nothing; weights too old for
+    the staleness bound get it no lease until a sync; SIGTERM drains it."""
+    cluster.start_hub("--async.max_staleness", "0", "--async.groups_per_step", "2", "--rollout.max_tokens", "16")
+    cluster.start_reward()
     gen = cluster.start_generator("g0", checkpoint_dir, sync_ports(broadcaster))
     assert broadcaster.wait_for_members(1, timeout_s=120)
     # 1. garbage and a malformed WeightsReady on the announce socket: rejected, nothing else happens
@@ -185,21 +191,25 @@ def test_bad_weights_ready_and_a_broadcast_that_never_comes(
     assert ack.error is not None and ack.version == 1, ack
     assert time.monotonic() - started < 3 + 10, "the generator waited far past the deadline"
     assert gen.alive()
-    # 3. the generator still works: a real sync lands and new samples carry its version
+    # 3. the learner moves to v2 with eta = 0: weights v0 are too old, so no new lease until a sync
+    c = BatchClient(redis.Redis.from_url(cluster.redis.url), "flywheel", StalenessPolicy(0, 2))
+    c.set_version(2)
+    issued = c.counters().get("groups_issued", 0)
+    time.sleep(2.0)
+    assert c.counters().get("groups_issued", 0) == issued, "a generator with stale weights got new work"
     model = perturbed(hf(checkpoint_dir), seed=2)
     assert broadcaster.wait_for_members(1, timeout_s=30)
     report = broadcaster.sync(2, model.state_dict().items())
     assert report.acked == ["g0"], report
-    c = client(cluster)
-    c.set_version(2)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        group = claim(c, 1).groups[0]
-        if group.samples[0].versions[0] == 2:
-            break
-    else:
-        raise AssertionError("no sample generated with the weights of the real sync")
-    assert "rejected a WeightsReady" in gen.tail(400) or "rejected a WeightsReady" in gen.log_path.read_text()
+    batch = c.claim(2, 2, timeout_s=120)
+    for group in batch.groups:
+        for s in group.samples:
+            assert (s.versions == 2).all(), s.versions
+    assert "rejected a WeightsReady" in gen.log_path.read_text()
+    # 4. SIGTERM: it stops taking leases, finishes or returns what it holds, and exits cleanly
+    gen.proc.send_signal(signal.SIGTERM)
+    assert gen.proc.wait(timeout=60) == 0
+    assert "draining" in gen.log_path.read_text()
 
 
 def _ready(version: int, port: int, deadline: float) -> WeightsReady:

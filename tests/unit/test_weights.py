@@ -1,0 +1,124 @@
+"""The weight-transfer layout (pure functions) and the standalone gloo group between two processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from flywheel.weights import (
+    ALIGN,
+    WeightSyncError,
+    check_layout,
+    host_store,
+    join_group,
+    pack_bucket,
+    plan_buckets,
+    receive,
+    send,
+    tensor_offsets,
+    unpack_bucket,
+)
+from flywheel.wire import BucketLayout, WeightsReady
+
+
+def named() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("a", torch.randn(3, 5, generator=g)),  # 60 bytes: the next tensor starts at 64
+        ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
+        ("c", torch.arange(9, dtype=torch.int64)),
+        ("big", torch.randn(64, 64, generator=g)),  # 16 KiB: larger than a bucket, gets its own
+        ("d", torch.randn(2, generator=g)),
+    ]
+
+
+def test_plan_keeps_order_and_bucket_size() -> None:
+    buckets = plan_buckets(named(), bucket_bytes=1024)
+    assert [b.names for b in buckets] == [["a", "b", "c"], ["big"], ["d"]]
+    assert buckets[0].nbytes == 64 + 64 + 72  # aligned offsets, the last tensor unpadded
+    assert all(off % ALIGN == 0 for b in buckets for off, _ in tensor_offsets(b))
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets(named(), 0)
+
+
+def test_pack_unpack_round_trip_keeps_values_and_dtypes() -> None:
+    tensors = dict(named())
+    for layout in plan_buckets(tensors.items(), bucket_bytes=4096):
+        buf = pack_bucket([tensors[n] for n in layout.names], layout)
+        assert buf.dtype == torch.uint8 and buf.numel() == layout.nbytes
+        for name, t in unpack_bucket(buf, layout):
+            assert t.dtype == tensors[name].dtype and torch.equal(t, tensors[name])
+
+
+def test_bad_layouts_are_refused_before_any_allocation() -> None:
+    ok = BucketLayout(names=["w"], shapes=[[2, 3]], dtypes=["float32"], nbytes=24)
+    check_layout([ok], max_bytes=1024)
+    with pytest.raises(WeightSyncError, match="negative"):
+        check_layout([BucketLayout(names=["w"], shapes=[[-2, 3]], dtypes=["float32"], nbytes=-24)], 1024)
+    with pytest.raises(WeightSyncError, match="does not match"):
+        check_layout([BucketLayout(names=["w"], shapes=[[2, 3]], dtypes=["float32"], nbytes=99)], 1024)
+    with pytest.raises(WeightSyncError, match="limit"):
+        check_layout([ok], max_bytes=10)
+    with pytest.raises(WeightSyncError, match="unknown dtype"):
+        check_layout([BucketLayout(names=["w"], shapes=[[2]], dtypes=["complex-ish"], nbytes=8)], 1024)
+    with pytest.raises(WeightSyncError, match="holds"):
+        list(unpack_bucket(torch.empty(5, dtype=torch.uint8), ok))
+
+
+def _receiver(port: int, ready_bytes: bytes, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    from flywheel.wire import Decoder
+
+    ready = Decoder(WeightsReady).decode(ready_bytes)
+    assert isinstance(ready, WeightsReady)
+    group = join_group("gloo", "127.0.0.1", port, 1, 2, ready.epoch, 30)
+    out.put({name: t.clone() for name, t in receive(group, ready)})
+    group.close()
+
+
+def test_two_processes_broadcast_every_bucket() -> None:
+    from flywheel.wire import encode
+
+    tensors = dict(named())
+    buckets = plan_buckets(tensors.items(), bucket_bytes=1024)
+    store = host_store("127.0.0.1", 30)
+    ready = WeightsReady(
+        version=1,
+        buckets=buckets,
+        transport="gloo",
+        deadline=time.time() + 30,
+        epoch=7,
+        master_addr="127.0.0.1",
+        master_port=store.port,
+        world_size=2,
+        ranks={"g": 1},
+    )
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    proc = ctx.Process(target=_receiver, args=(store.port, encode(ready), out))
+    proc.start()
+    try:
+        group = join_group("gloo", "127.0.0.1", store.port, 0, 2, 7, 30, store=store)
+        send(group, buckets, tensors)
+        got = out.get(timeout=60)
+    finally:
+        proc.join(timeout=30)
+    assert proc.exitcode == 0
+    assert got.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert torch.equal(got[name], t)
+
+
+def test_a_sender_that_never_comes_raises_at_the_timeout() -> None:
+    store = host_store("127.0.0.1", 30)  # the rendezvous exists, but rank 0 never joins the group
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="could not join"):
+        join_group("gloo", "127.0.0.1", store.port, 1, 2, 1, timeout_s=1.5)
+    assert time.monotonic() - start < 10
+
+
+def test_unknown_transport_is_refused() -> None:
+    with pytest.raises(WeightSyncError, match="ipc"):
+        join_group("ipc", "127.0.0.1", 1, 1, 2, 1, timeout_s=1)
