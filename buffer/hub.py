@@ -47,6 +47,7 @@ from flywheel.wire import (
     Lease,
     Message,
     Register,
+    RegisterAgain,
     Release,
     Revoke,
     RewardRegister,
@@ -305,6 +306,8 @@ class Hub:
             self.rejects.reject(
                 "unregistered_generator", f"heartbeat from {msg.generator_id!r} before Register", identity
             )
+            if identity == msg.generator_id.encode():  # e.g. evicted while frozen: let it come back
+                self._after_flush(self.gen_sock, identity, RegisterAgain(generator_id=msg.generator_id))
             return
         now = time.monotonic()
         gen.last_seen = now

@@ -1,7 +1,13 @@
-"""Start and stop service processes: each child is tracked by pid and stopped only by pid."""
+"""Start and stop service processes: each child is tracked by pid and stopped only by pid.
+
+Every service runs in its own session (process group) so that what it spawns (vLLM's engine-core
+and worker processes) goes with it: ``kill9`` is what a dying container or node does to all of
+them, and ``stop`` leaves no orphan behind.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,7 +28,11 @@ class Service:
         self._log = self.log_path.open("ab")
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args], stdout=self._log, stderr=subprocess.STDOUT, env=full_env
+            [sys.executable, "-m", module, *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
         )
 
     @property
@@ -33,18 +43,24 @@ class Service:
         return self.proc.poll() is None
 
     def kill9(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
+        """SIGKILL the service and every process it started (its process group)."""
+        self._kill_group()
         self.proc.wait(timeout=10)
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM (the service drains and exits), then SIGKILL whatever of its group is left."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=timeout_s)
+        self._kill_group()
+        self.proc.wait(timeout=timeout_s)
         self._log.close()
+
+    def _kill_group(self) -> None:
+        # The group id is the service's pid (start_new_session): only processes it started are in it.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
     def tail(self, n: int = 30) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()

@@ -63,6 +63,7 @@ SIZES = {
     "small": (256, 4, 4, 2),  # ~2M
     "medium": (512, 8, 8, 4),  # ~19M
     "large": (768, 10, 12, 4),  # ~52M
+    "1b": (2048, 16, 16, 8),  # ~0.9B with vocab 32000 (GPU measurements)
 }
 
 
@@ -89,7 +90,7 @@ def build_model(
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=hidden * 2,
+        intermediate_size=hidden * 2 if size != "1b" else 5632,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -111,9 +112,14 @@ def build_model(
     return out
 
 
-def build_checkpoint(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path:
-    """Model and tokenizer in one directory, loadable by HF and vLLM like any hub checkpoint."""
+def build_checkpoint(
+    out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0, vocab_size: int = 512
+) -> Path:
+    """Model and tokenizer in one directory, loadable by HF and vLLM like any hub checkpoint.
+
+    A ``vocab_size`` above the tokenizer's 512 gives a realistic output layer (ids past 512 are
+    never produced by the tokenizer, only sampled)."""
     out = Path(out_dir)
     build_tokenizer(out)
-    build_model(out, arch=arch, size=size, seed=seed)
+    build_model(out, vocab_size=vocab_size, arch=arch, size=size, seed=seed)
     return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -102,9 +102,15 @@ def plan_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int)
     return buckets
 
 
-def pack_bucket(tensors: list[torch.Tensor], layout: BucketLayout, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Copy ``tensors`` (in layout order) into one flat uint8 buffer."""
-    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+def pack_bucket(
+    tensors: list[torch.Tensor],
+    layout: BucketLayout,
+    device: torch.device | str = "cpu",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Copy ``tensors`` (in layout order) into one flat uint8 buffer (``out`` when given: reusing
+    a buffer saves the page faults of a fresh allocation, which cost as much as the copy)."""
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device) if out is None else out[: layout.nbytes]
     for t, (off, n) in zip(tensors, tensor_offsets(layout), strict=True):
         buf[off : off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
     return buf
@@ -147,14 +153,26 @@ class WeightGroup:
     epoch: int
     device: torch.device
     store: dist.TCPStore | None = None  # held by rank 0: the rendezvous server lives as long as the group
+    send_buffers: list[torch.Tensor] = field(default_factory=list)  # rank 0: two, reused every sync
+    recv_pool: list[torch.Tensor] = field(default_factory=list)  # receivers: buffers no one references any more
 
-    def broadcast(self, buf: torch.Tensor) -> None:
+    def start(self, buf: torch.Tensor) -> Any:
+        """Post a broadcast from rank 0 into ``buf``; returns the work to ``finish``."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         try:
-            self.pg.broadcast([buf], opts).wait()
+            return self.pg.broadcast([buf], opts)
+        except RuntimeError as err:
+            raise WeightSyncError(f"broadcast failed (rank {self.rank}/{self.world_size}): {err}") from err
+
+    def finish(self, work: Any) -> None:
+        try:
+            work.wait()
         except RuntimeError as err:  # gloo/NCCL raise RuntimeError subclasses on timeouts and dead peers
             raise WeightSyncError(f"broadcast failed (rank {self.rank}/{self.world_size}): {err}") from err
+
+    def broadcast(self, buf: torch.Tensor) -> None:
+        self.finish(self.start(buf))
 
     def close(self) -> None:
         with contextlib.suppress(RuntimeError, AttributeError):  # already broken: nothing to release
@@ -200,17 +218,70 @@ def join_group(
 
 
 def receive(group: WeightGroup, ready: WeightsReady) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receive every bucket of ``ready``, yielding named tensors bucket by bucket (memory: one bucket)."""
-    for layout in ready.buckets:
-        buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=group.device)
-        group.broadcast(buf)
+    """Receive every bucket of ``ready``, yielding named tensors bucket by bucket.
+
+    Double-buffered: the next bucket is already on the wire while the caller loads this one, so
+    at most two buckets are held at a time.
+    """
+
+    def post(layout: BucketLayout) -> tuple[BucketLayout, torch.Tensor, Any]:
+        buf = _recv_buffer(group, layout.nbytes, largest)
+        return layout, buf, group.start(buf)
+
+    largest = max((b.nbytes for b in ready.buckets), default=0)
+
+    layouts = iter(ready.buckets)
+    first = next(layouts, None)
+    current = post(first) if first is not None else None
+    while current is not None:
+        layout, buf, work = current
+        group.finish(work)
+        following = next(layouts, None)
+        current = post(following) if following is not None else None
         yield from unpack_bucket(buf, layout)
 
 
+def _recv_buffer(group: WeightGroup, nbytes: int, largest: int) -> torch.Tensor:
+    """A buffer for the next bucket: a pooled one that nothing references any more, or a new one.
+
+    The consumer may keep views of a bucket after it asked for the next (vLLM's layer-wise reload
+    holds a layer's tensors until the layer is complete), so a buffer is reused only once its
+    storage has no other user. Reuse saves the page faults of fresh memory, which on CPUs cost
+    as much as the transfer itself.
+    """
+    for i, buf in enumerate(group.recv_pool):
+        # 2 = the pooled tensor + the temporary storage object of this call; a live view adds 1
+        if buf.numel() >= nbytes and torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2:
+            del group.recv_pool[i]
+            group.recv_pool.append(buf)  # most recently used last
+            return buf[:nbytes]
+    buf = torch.empty(max(nbytes, largest), dtype=torch.uint8, device=group.device)
+    group.recv_pool.append(buf)
+    if len(group.recv_pool) > 4:
+        group.recv_pool.pop(0)  # forget the oldest; whoever still holds its views keeps it alive
+    return buf[:nbytes]
+
+
 def send(group: WeightGroup, buckets: list[BucketLayout], tensors: dict[str, torch.Tensor]) -> float:
-    """Rank 0: broadcast every bucket; returns seconds spent."""
+    """Rank 0: broadcast every bucket, packing the next one while the last is on the wire.
+
+    Returns the seconds spent.
+    """
     start = time.perf_counter()
-    for layout in buckets:
-        buf = pack_bucket([tensors[n] for n in layout.names], layout, group.device)
-        group.broadcast(buf)
+    largest = max((b.nbytes for b in buckets), default=0)
+    if not group.send_buffers or group.send_buffers[0].numel() < largest:
+        group.send_buffers = [torch.empty(largest, dtype=torch.uint8, device=group.device) for _ in range(2)]
+    in_flight: tuple[torch.Tensor, Any] | None = None  # the buffer must outlive its work
+    for i, layout in enumerate(buckets):
+        only = tensors[layout.names[0]] if len(layout.names) == 1 else None
+        if only is not None and only.is_contiguous() and only.device == group.device:
+            buf = only.detach().reshape(-1).view(torch.uint8)  # a bucket of one tensor goes as it is
+        else:
+            buf = pack_bucket([tensors[n] for n in layout.names], layout, out=group.send_buffers[i % 2])
+        work = group.start(buf)
+        if in_flight is not None:
+            group.finish(in_flight[1])
+        in_flight = (buf, work)
+    if in_flight is not None:
+        group.finish(in_flight[1])
     return time.perf_counter() - start

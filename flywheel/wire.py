@@ -267,6 +267,13 @@ class Revoke(Message, tag=True):
     lease_ids: list[int]
 
 
+class RegisterAgain(Message, tag=True):
+    """The hub does not know this generator (it was evicted after going silent): its leases are
+    gone; send Register again to get new ones."""
+
+    generator_id: str
+
+
 # --------------------------------------------------------------------------- hub ↔ reward service
 
 
@@ -387,7 +394,7 @@ class WeightsAck(Message, tag=True):
 # --------------------------------------------------------------------------- codec
 
 ToHub = Register | Heartbeat | Chunk | ChunkBatch | Release | RewardRegister | Score
-ToGenerator = Lease | ChunkAck | Revoke
+ToGenerator = Lease | ChunkAck | Revoke | RegisterAgain
 ToLearner = SyncJoin | WeightsAck
 
 _encoder = msgspec.msgpack.Encoder()

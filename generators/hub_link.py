@@ -22,6 +22,7 @@ from flywheel.wire import (
     Heartbeat,
     Lease,
     Register,
+    RegisterAgain,
     Release,
     Revoke,
     ToGenerator,
@@ -74,11 +75,13 @@ class HubLink:
         self.weight_version = 0
         self.lease_ids: set[int] = set()
         self.draining = False
+        self._registered_at = 0.0
         self.ack_latency_s: list[float] = []  # send -> ack of each chunk: its chunk-to-durable time
         self.resent = 0
 
     def register(self, weight_version: int) -> None:
         self.weight_version = weight_version
+        self._registered_at = time.monotonic()
         self._send(
             encode(
                 Register(
@@ -179,6 +182,15 @@ class HubLink:
             elif isinstance(msg, Revoke):
                 self.lease_ids.difference_update(msg.lease_ids)
                 inbox.revoked.extend(msg.lease_ids)
+            elif isinstance(msg, RegisterAgain) and time.monotonic() - self._registered_at > 2 * self.heartbeat_s:
+                # (a RegisterAgain answering a heartbeat sent before our last Register is stale)
+                # The hub evicted us (we were silent too long): it re-issued our leases already.
+                log.warning(
+                    "the hub no longer knows this generator: registering again, dropping %d leases", len(self.lease_ids)
+                )
+                inbox.revoked.extend(self.lease_ids)
+                self.lease_ids.clear()
+                self.register(self.weight_version)
 
     def lease_done(self, lease_id: int) -> None:
         self.lease_ids.discard(lease_id)

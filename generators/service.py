@@ -4,7 +4,8 @@ One asyncio loop. Every sample of every lease is one vLLM request, consumed by i
 appends each token delta, with its behaviour log-probability and the version of the weights that
 produced it, to the sample's pending buffer. The loop's tick (every ``flush_interval_ms``) sends
 all pending tokens to the hub as one ChunkBatch, reads leases, acks and revocations, heartbeats
-the hub and the learner, and runs weight updates when a WeightsReady names this generator.
+the hub and the learner, and starts a weight-update task when a WeightsReady names this
+generator (one at a time, in order; the tick goes on meanwhile, so heartbeats never stop).
 
 Versions are exact: during an update the engine is paused and the loop waits until every token
 the old weights produced has been consumed before it bumps ``self.version``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +104,9 @@ class GeneratorService:
         self._deltas = 0  # token deltas consumed so far; an update waits until this stops moving
         self._draining_since: float | None = None
         self._failure: BaseException | None = None
+        # Weight updates run as a task so the loop keeps heartbeating (and streaming) meanwhile.
+        self._pending_updates: deque[tuple[WeightsReady, bytes]] = deque()
+        self._update_task: asyncio.Task[UpdateResult] | None = None
 
     # ------------------------------------------------------------------ main loop
 
@@ -111,13 +116,12 @@ class GeneratorService:
         interval = self.gcfg.flush_interval_ms / 1000
         while not self._finished(start, max_seconds):
             self._tick()
-            if self.sync is not None:
-                for ready, raw in self.sync.poll():
-                    if self.generator_id in ready.ranks:
-                        self.updates.append(await self._update(ready, raw))
+            self._schedule_update()
             if self._failure is not None:
-                raise RuntimeError("a generation task failed") from self._failure
+                raise RuntimeError("a generation or weight-update task failed") from self._failure
             await asyncio.sleep(interval)
+        if self._update_task is not None:
+            await asyncio.wait([self._update_task], timeout=self.cfg.sync.timeout_s + 10)
         await self._shutdown()
 
     def drain(self) -> None:
@@ -181,6 +185,22 @@ class GeneratorService:
         for run in self.samples.pop(lease_id, {}).values():
             if run.task is not None:
                 run.task.cancel()  # vLLM aborts the request when its stream is cancelled
+
+    def _schedule_update(self) -> None:
+        if self.sync is not None:
+            self._pending_updates.extend(r for r in self.sync.poll() if self.generator_id in r[0].ranks)
+        if self._pending_updates and (self._update_task is None or self._update_task.done()):
+            ready, raw = self._pending_updates.popleft()
+            self._update_task = asyncio.create_task(self._update(ready, raw))
+            self._update_task.add_done_callback(self._update_done)
+
+    def _update_done(self, task: asyncio.Task[UpdateResult]) -> None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            self._failure = self._failure or task.exception()
+        else:
+            self.updates.append(task.result())
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None and self._failure is None:

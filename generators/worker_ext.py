@@ -72,7 +72,9 @@ class WeightReceiverExtension:
             ready.world_size,
             ready.epoch,
             timeout,
-            device=self.device,  # type: ignore[attr-defined]
+            # gloo moves host memory (the loader copies each tensor to the model's device); NCCL
+            # receives straight into device memory
+            device=self.device if ready.transport == "nccl" else "cpu",  # type: ignore[attr-defined]
         )
         self._flywheel_group = group
         return group

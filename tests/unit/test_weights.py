@@ -122,3 +122,19 @@ def test_a_sender_that_never_comes_raises_at_the_timeout() -> None:
 def test_unknown_transport_is_refused() -> None:
     with pytest.raises(WeightSyncError, match="ipc"):
         join_group("ipc", "127.0.0.1", 1, 1, 2, 1, timeout_s=1)
+
+
+def test_receive_buffers_are_reused_only_once_no_view_remains() -> None:
+    from flywheel.weights import WeightGroup, _recv_buffer
+
+    group = WeightGroup(pg=None, rank=1, world_size=2, epoch=1, device=torch.device("cpu"))
+    first = _recv_buffer(group, 64, 128)
+    view = first[:16].view(torch.float32)  # a consumer still holding a tensor of the last bucket
+    second = _recv_buffer(group, 64, 128)
+    assert second.data_ptr() != first.data_ptr(), "a buffer still referenced was handed out again"
+    del view, first
+    third = _recv_buffer(group, 64, 128)
+    assert third.data_ptr() != second.data_ptr()  # `second` is still held here
+    del third
+    fourth = _recv_buffer(group, 32, 128)
+    assert len(group.recv_pool) <= 4 and fourth.numel() == 32

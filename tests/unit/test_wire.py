@@ -20,6 +20,7 @@ from flywheel.wire import (
     Heartbeat,
     Lease,
     Register,
+    RegisterAgain,
     Release,
     Revoke,
     RewardRegister,
@@ -92,6 +93,7 @@ EXAMPLES = [
         rejected=[ChunkRejection(group_id=9, sample=0, seq=0, reason="unknown_lease")],
     ),
     Revoke(lease_ids=[4]),
+    RegisterAgain(generator_id="gen-0"),
     RewardRegister(worker_id="rw", capacity=4),
     ScoreRequest(
         group_id=1,

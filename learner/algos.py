@@ -1,0 +1,253 @@
+"""Advantage estimators and losses of the learner: pure functions over tensors.
+
+Shape suffixes: ``_GN`` groups x samples per group (outcome rewards), ``_BT`` sequences x response
+tokens (padded; ``mask_BT`` is 1 on real tokens), ``_B`` one value per sequence.
+
+Policies in the losses: ``logprobs`` are the current policy's (with gradient), ``behav_logprobs``
+the generator's that sampled the tokens (the behaviour policy, possibly several versions old),
+``prox_logprobs`` the proximal policy's: the learner's weights at the start of this step,
+recomputed by the learner without gradient (decoupled PPO, AReaL).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+Correction = Literal["decoupled", "tis", "none"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+ESTIMATORS: tuple[str, ...] = Estimator.__args__  # type: ignore[attr-defined]
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
+# --------------------------------------------------------------------------- rewards and advantages
+
+
+def token_rewards(
+    rewards_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None = None, kl_coef: float = 0.0
+) -> torch.Tensor:
+    """Outcome reward on each sequence's last real token, minus ``kl_coef * kl`` on every token
+    (KL in the reward, as PPO/REINFORCE++ do)."""
+    out = torch.zeros_like(mask_BT, dtype=torch.float32)
+    last = mask_BT.long().cumsum(1).argmax(1)  # index of the last real token
+    out[torch.arange(len(rewards_B)), last] = rewards_B.float()
+    if kl_BT is not None and kl_coef:
+        out = out - kl_coef * kl_BT.float() * mask_BT
+    return out
+
+
+def group_advantages(rewards_GN: torch.Tensor, estimator: str, eps: float = 1e-6) -> torch.Tensor:
+    """Outcome advantages from each group's rewards (one value per sample)."""
+    r = rewards_GN.float()
+    mean = r.mean(1, keepdim=True)
+    if estimator == "grpo":
+        return (r - mean) / (r.std(1, keepdim=True) + eps)  # std with Bessel's correction
+    if estimator in ("dr_grpo", "reinforce_pp_baseline"):
+        return r - mean  # Dr. GRPO: no std division (it biases toward easy and hard prompts)
+    if estimator == "rloo":
+        n = r.shape[1]
+        if n < 2:
+            raise ValueError("rloo needs at least 2 samples per prompt (data.n_samples_per_prompt)")
+        return (r - mean) * n / (n - 1)  # r_i - mean of the others
+    raise ValueError(f"{estimator!r} is not a group estimator; choose one of {GROUP_ESTIMATORS}")
+
+
+def discounted_returns(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float) -> torch.Tensor:
+    out = torch.zeros_like(rewards_BT, dtype=torch.float32)
+    running = torch.zeros(rewards_BT.shape[0], dtype=torch.float32)
+    for t in reversed(range(rewards_BT.shape[1])):
+        running = rewards_BT[:, t] + gamma * running * mask_BT[:, t]
+        out[:, t] = running
+    return out * mask_BT
+
+
+def whiten(values_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise over every real token of the batch (REINFORCE++'s global normalisation)."""
+    n = mask_BT.sum()
+    mean = (values_BT * mask_BT).sum() / n
+    var = (((values_BT - mean) * mask_BT) ** 2).sum() / n
+    return (values_BT - mean) / torch.sqrt(var + eps) * mask_BT
+
+
+def gae(
+    rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation; returns (advantages_BT, returns_BT)."""
+    adv = torch.zeros_like(rewards_BT, dtype=torch.float32)
+    running = torch.zeros(rewards_BT.shape[0], dtype=torch.float32)
+    next_value = torch.zeros(rewards_BT.shape[0], dtype=torch.float32)
+    for t in reversed(range(rewards_BT.shape[1])):
+        m = mask_BT[:, t]
+        delta = rewards_BT[:, t] + gamma * next_value - values_BT[:, t]
+        running = (delta + gamma * lam * running) * m
+        adv[:, t] = running
+        next_value = torch.where(m > 0, values_BT[:, t], next_value)
+    return adv, (adv + values_BT) * mask_BT
+
+
+def advantages(
+    estimator: str,
+    rewards_GN: torch.Tensor,
+    mask_BT: torch.Tensor,
+    values_BT: torch.Tensor | None = None,
+    kl_BT: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token advantages for any estimator (sequences in group order: B = G * N).
+
+    Returns (advantages_BT, returns_BT for the critic or None).
+    """
+    rewards_B = rewards_GN.reshape(-1).float()
+    if estimator in ("grpo", "dr_grpo", "rloo"):
+        return group_advantages(rewards_GN, estimator)[..., None].reshape(-1, 1) * mask_BT, None
+    if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+        if estimator == "reinforce_pp_baseline":
+            rewards_B = group_advantages(rewards_GN, estimator).reshape(-1)
+        returns = discounted_returns(token_rewards(rewards_B, mask_BT, kl_BT, kl_coef), mask_BT, gamma)
+        return whiten(returns, mask_BT), None
+    if estimator == "gae":
+        if values_BT is None:
+            raise ValueError("gae needs a critic: set algo.critic.enabled true (or pick a critic-free estimator)")
+        return gae(token_rewards(rewards_B, mask_BT, kl_BT, kl_coef), values_BT, mask_BT, gamma, lam)
+    raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {ESTIMATORS}")
+
+
+def uniform_groups(rewards_GN: torch.Tensor) -> torch.Tensor:
+    """Dynamic filtering: True for groups whose rewards are all equal (zero advantage, no signal)."""
+    return (rewards_GN == rewards_GN[:, :1]).all(1)
+
+
+# --------------------------------------------------------------------------- KL, entropy, aggregation
+
+
+def kl_estimate(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1, k2, k3)."""
+    log_ratio = logprobs_BT - ref_logprobs_BT
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.exp(-log_ratio) - 1 + log_ratio  # unbiased and always >= 0
+    raise ValueError(f"unknown KL estimator {kind!r}; choose k1, k2 or k3")
+
+
+def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits_BTV.float(), -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str) -> torch.Tensor:
+    """token_mean: every token weighs the same; seq_mean_token_mean: every sequence weighs the same;
+    seq_mean_token_sum_norm: token sum over a constant (B x T), Dr. GRPO's length-unbiased form."""
+    if mode == "token_mean":
+        return (loss_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
+    if mode == "seq_mean_token_mean":
+        per_seq = (loss_BT * mask_BT).sum(1) / mask_BT.sum(1).clamp(min=1)
+        return per_seq.mean()
+    if mode == "seq_mean_token_sum_norm":
+        return (loss_BT * mask_BT).sum() / (mask_BT.shape[0] * mask_BT.shape[1])
+    raise ValueError(
+        f"unknown loss aggregation {mode!r}; choose token_mean, seq_mean_token_mean or seq_mean_token_sum_norm"
+    )
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+# --------------------------------------------------------------------------- losses
+
+
+@dataclass
+class PolicyLossConfig:
+    correction: str = "decoupled"  # decoupled | tis | none
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2  # clip-higher (DAPO) when larger than clip_low
+    dual_clip: float | None = None  # c > 1: bounds the loss of negative advantages at c * |A|
+    is_cap: float = 2.0  # truncation of the behaviour importance weight
+    ratio_level: str = "token"  # token | sequence (GSPO: the length-normalised sequence ratio)
+    aggregation: str = "token_mean"
+
+
+def policy_loss(
+    logprobs_BT: torch.Tensor,
+    prox_logprobs_BT: torch.Tensor | None,
+    behav_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    cfg: PolicyLossConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate with an off-policy correction for stale samples. Returns (loss, metrics).
+
+    - ``none``: PPO around the behaviour policy, ratio pi/mu.
+    - ``decoupled``: PPO around the proximal policy (ratio pi/prox) times the behaviour weight
+      prox/mu truncated at ``is_cap`` (no gradient): the trust region is the learner's own last
+      policy however stale the samples are.
+    - ``tis``: no clipping; the policy gradient weighted by pi/mu truncated at ``is_cap``.
+    """
+    mask = mask_BT.float()
+    behav_weight = torch.ones_like(logprobs_BT)
+    if cfg.correction == "decoupled":
+        if prox_logprobs_BT is None:
+            raise ValueError("decoupled correction needs the proximal log-probabilities")
+        anchor = prox_logprobs_BT.detach()
+        behav_weight = torch.exp(prox_logprobs_BT - behav_logprobs_BT).clamp(max=cfg.is_cap).detach()
+    elif cfg.correction in ("none", "tis"):
+        anchor = behav_logprobs_BT.detach()
+    else:
+        raise ValueError(f"unknown off-policy correction {cfg.correction!r}; choose decoupled, tis or none")
+    log_ratio = logprobs_BT - anchor
+    if cfg.ratio_level == "sequence":
+        seq = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+        # GSPO: every token carries its sequence's ratio as value, its own log-probability's gradient
+        log_ratio = seq.detach() + logprobs_BT - logprobs_BT.detach()
+    elif cfg.ratio_level != "token":
+        raise ValueError(f"unknown ratio level {cfg.ratio_level!r}; choose token or sequence")
+    ratio = torch.exp(log_ratio)
+    adv = advantages_BT.detach()
+    if cfg.correction == "tis":
+        weight = ratio.clamp(max=cfg.is_cap).detach()
+        loss_BT = -weight * adv * logprobs_BT
+        clipped = (ratio > cfg.is_cap).float()
+    else:
+        surr1 = ratio * adv
+        surr2 = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * adv
+        loss_BT = -torch.min(surr1, surr2)
+        clipped = (surr2 < surr1).float()
+        if cfg.dual_clip is not None:
+            if cfg.dual_clip <= 1:
+                raise ValueError(f"dual_clip must be > 1, got {cfg.dual_clip}")
+            bounded = torch.min(loss_BT, -cfg.dual_clip * adv)
+            loss_BT = torch.where(adv < 0, bounded, loss_BT)
+        loss_BT = loss_BT * behav_weight
+    loss = aggregate(loss_BT, mask, cfg.aggregation)
+    metrics = {
+        "clip_frac": float(masked_mean(clipped, mask)),
+        "ratio_mean": float(masked_mean(ratio.detach(), mask)),
+        "behav_weight_mean": float(masked_mean(behav_weight, mask)),
+        "behav_weight_max": float((behav_weight * mask).max()) if mask.any() else 0.0,
+    }
+    return loss, metrics
+
+
+def value_loss(
+    values_BT: torch.Tensor,
+    old_values_BT: torch.Tensor,
+    returns_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    clip: float | None,
+    aggregation: str = "token_mean",
+) -> torch.Tensor:
+    """0.5 * squared error, with PPO's value clipping around the values at sampling time."""
+    err = (values_BT - returns_BT) ** 2
+    if clip is not None:
+        clipped = old_values_BT + (values_BT - old_values_BT).clamp(-clip, clip)
+        err = torch.max(err, (clipped - returns_BT) ** 2)
+    return 0.5 * aggregate(err, mask_BT.float(), aggregation)

@@ -1,0 +1,163 @@
+"""From a claimed batch of groups to micro-batches a model can take.
+
+Each sample becomes one sequence (prompt + response). Micro-batches hold whole sequences up to a
+token budget. Packed (padding-free) micro-batches lay their sequences end to end in one row with
+position ids restarting at 0 for each: transformers then restricts attention to each sequence
+(a block-causal mask for sdpa/eager, variable-length kernels for flash attention). Padded
+micro-batches are the fallback for models that do not support packing.
+
+Token-level values live in two layouts: ``_1L``/``_bL`` aligned with the model's input row (the
+value at position p belongs to the token at p + 1, the one predicted there) and ``_BT``: one row
+per sequence, its response tokens only, right-padded (what ``learner.algos`` takes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flywheel.hub_client import Batch
+
+
+@dataclass
+class Sequence:
+    prompt: np.ndarray  # int32 token ids
+    response: np.ndarray  # int32 token ids
+    behav_logprobs: np.ndarray  # float32, one per response token
+    versions: np.ndarray  # int32, one per response token
+    reward: float
+    group: int  # index of its group in the batch
+    staleness: int
+
+
+def sequences(batch: Batch) -> tuple[list[Sequence], torch.Tensor]:
+    """Every sample of the batch, in group order, and the rewards as [groups, samples]."""
+    out = []
+    rewards = []
+    for g, group in enumerate(batch.groups):
+        row = []
+        for s in group.samples:
+            out.append(
+                Sequence(
+                    prompt=group.prompt_tokens,
+                    response=s.tokens,
+                    behav_logprobs=s.logprobs,
+                    versions=s.versions,
+                    reward=float(s.reward),
+                    group=g,
+                    staleness=group.staleness,
+                )
+            )
+            row.append(float(s.reward))
+        rewards.append(row)
+    return out, torch.tensor(rewards, dtype=torch.float32)
+
+
+@dataclass
+class MicroBatch:
+    seq_index: list[int]  # which sequences of the step (indices into the step's list)
+    input_ids: torch.Tensor  # [b, L] (b = 1 when packed)
+    position_ids: torch.Tensor  # [b, L]
+    attention_mask: torch.Tensor | None  # [b, L] when padded; None when packed
+    targets: torch.Tensor  # [b, L] next token at each position (0 where none)
+    # (row, column) in the input layout of each response token's prediction, per sequence
+    gather_rows: list[torch.Tensor]
+    gather_cols: list[torch.Tensor]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Group sequence indices into micro-batches of at most ``budget`` tokens (first-fit
+    decreasing; a sequence longer than the budget gets one of its own)."""
+    if budget <= 0:
+        raise ValueError(f"micro-batch token budget must be > 0, got {budget}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(budget - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def build_micro_batch(seqs: list[Sequence], index: list[int], packed: bool, pad_id: int) -> MicroBatch:
+    parts = [np.concatenate([seqs[i].prompt, seqs[i].response]).astype(np.int64) for i in index]
+    rows: list[torch.Tensor] = []
+    cols: list[torch.Tensor] = []
+    if packed:
+        ids = torch.from_numpy(np.concatenate(parts))[None]
+        pos = torch.cat([torch.arange(len(p)) for p in parts])[None]
+        targets = torch.zeros_like(ids)
+        offset = 0
+        for i, p in zip(index, parts, strict=True):
+            n_prompt, n_resp = len(seqs[i].prompt), len(seqs[i].response)
+            targets[0, offset : offset + len(p) - 1] = torch.from_numpy(p[1:])
+            # the logits at position (prompt + k - 1) predict response token k
+            cols.append(torch.arange(offset + n_prompt - 1, offset + n_prompt - 1 + n_resp))
+            rows.append(torch.zeros(n_resp, dtype=torch.long))
+            offset += len(p)
+        return MicroBatch(list(index), ids, pos, None, targets, rows, cols)
+    width = max(len(p) for p in parts)
+    ids = torch.full((len(parts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(parts), width), dtype=torch.long)
+    targets = torch.zeros_like(ids)
+    for r, (i, p) in enumerate(zip(index, parts, strict=True)):
+        ids[r, : len(p)] = torch.from_numpy(p)
+        mask[r, : len(p)] = 1
+        targets[r, : len(p) - 1] = torch.from_numpy(p[1:])
+        n_prompt, n_resp = len(seqs[i].prompt), len(seqs[i].response)
+        cols.append(torch.arange(n_prompt - 1, n_prompt - 1 + n_resp))
+        rows.append(torch.full((n_resp,), r, dtype=torch.long))
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    return MicroBatch(list(index), ids, pos, mask, targets, rows, cols)
+
+
+def to_rows(values_bL: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position values of a micro-batch -> [sequences, response tokens] plus its mask."""
+    width = max((len(c) for c in mb.gather_cols), default=0)
+    out = values_bL.new_zeros((len(mb.gather_cols), width))
+    mask = torch.zeros((len(mb.gather_cols), width), dtype=torch.float32)
+    for k, (r, c) in enumerate(zip(mb.gather_rows, mb.gather_cols, strict=True)):
+        out[k, : len(c)] = values_bL[r, c]
+        mask[k, : len(c)] = 1.0
+    return out, mask
+
+
+def pad_rows(arrays: list[np.ndarray], width: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    width = max((len(a) for a in arrays), default=0) if width is None else width
+    out = torch.zeros((len(arrays), width), dtype=dtype)
+    for k, a in enumerate(arrays):
+        out[k, : len(a)] = torch.tensor(np.asarray(a), dtype=dtype)  # a copy: hub arrays are read-only views
+    return out
+
+
+def token_logprobs(logits_bLV: torch.Tensor, targets_bL: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(target) at every position, under logits / temperature (the sampled distribution)."""
+    logits = logits_bLV.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1).gather(-1, targets_bL[..., None])[..., 0]
+
+
+def entropy_at(logits_bLV: torch.Tensor, mb: MicroBatch, grad: bool) -> torch.Tensor:
+    """Entropy of the next-token distribution at the response positions only (zeros elsewhere):
+    computing it over the whole vocabulary at every position would cost a logits-sized buffer."""
+    rows = torch.cat(mb.gather_rows).to(logits_bLV.device) if mb.gather_rows else torch.zeros(0, dtype=torch.long)
+    cols = torch.cat(mb.gather_cols).to(logits_bLV.device) if mb.gather_cols else torch.zeros(0, dtype=torch.long)
+    with torch.enable_grad() if grad else torch.no_grad():
+        logp = torch.log_softmax(logits_bLV[rows, cols].float(), -1)
+        ent = -(logp.exp() * logp).sum(-1)
+        out = torch.zeros(logits_bLV.shape[:2], dtype=ent.dtype, device=logits_bLV.device)
+        out = out.index_put((rows, cols), ent)
+    return out

@@ -1,0 +1,165 @@
+"""Advantage estimators and losses against values computed by hand (in the comments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from learner.algos import (
+    PolicyLossConfig,
+    advantages,
+    aggregate,
+    gae,
+    group_advantages,
+    kl_estimate,
+    policy_loss,
+    uniform_groups,
+    value_loss,
+)
+
+T = torch.tensor
+
+
+def close(a: torch.Tensor, b: list[float] | list[list[float]], tol: float = 1e-4) -> None:
+    assert torch.allclose(a.float(), T(b), atol=tol), f"{a} != {b}"
+
+
+def test_group_estimators() -> None:
+    r = T([[1.0, 0.0, 0.0, 1.0]])
+    # mean 0.5; unbiased std sqrt(4 * 0.25 / 3) = 0.57735 -> +-0.5 / 0.57735 = +-0.86603
+    close(group_advantages(r, "grpo"), [[0.86603, -0.86603, -0.86603, 0.86603]])
+    close(group_advantages(r, "dr_grpo"), [[0.5, -0.5, -0.5, 0.5]])
+    # rloo: r_i minus the mean of the others: 1 - 0 = 1; 0 - (1 + 0) / 2 = -0.5
+    close(group_advantages(T([[1.0, 0.0, 0.0]]), "rloo"), [[1.0, -0.5, -0.5]])
+    with pytest.raises(ValueError, match="at least 2"):
+        group_advantages(T([[1.0]]), "rloo")
+    with pytest.raises(ValueError, match="group estimator"):
+        group_advantages(r, "gae")
+
+
+def test_group_advantage_is_spread_over_real_tokens_only() -> None:
+    mask = T([[1, 1, 0], [1, 0, 0]]).float()
+    adv, returns = advantages("dr_grpo", T([[2.0, 0.0]]), mask)
+    close(adv, [[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0]])
+    assert returns is None
+
+
+def test_gae_by_hand() -> None:
+    rewards = T([[0.0, 0.0, 1.0, 0.0]])
+    values = T([[0.5, 0.5, 0.5, 9.0]])  # the padded position's value must not leak in
+    mask = T([[1.0, 1.0, 1.0, 0.0]])
+    # gamma 1, lambda 0.5: delta2 = 1 - 0.5 = 0.5; delta1 = 0 + 0.5 - 0.5 = 0; delta0 = 0
+    # A2 = 0.5, A1 = 0 + 0.5 * 0.5 = 0.25, A0 = 0.125; returns = A + V
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    close(adv, [[0.125, 0.25, 0.5, 0.0]])
+    close(ret, [[0.625, 0.75, 1.0, 0.0]])
+    with pytest.raises(ValueError, match="critic"):
+        advantages("gae", T([[1.0]]), mask)
+
+
+def test_reinforce_pp_returns_are_whitened_over_the_batch() -> None:
+    mask = T([[1.0, 1.0], [1.0, 0.0]])
+    # returns (gamma 1): [[1, 1], [0, -]] -> real tokens 1, 1, 0: mean 2/3, var 2/9, std 0.4714
+    adv, _ = advantages("reinforce_pp", T([[1.0], [0.0]]), mask)
+    close(adv, [[0.70711, 0.70711], [-1.41421, 0.0]])
+    # with the group baseline, rewards become r - mean (0.5, -0.5) before the returns
+    adv_b, _ = advantages("reinforce_pp_baseline", T([[1.0, 0.0]]), mask)
+    close(adv_b, [[0.70711, 0.70711], [-1.41421, 0.0]])
+    # KL in the reward: -0.1 * kl on every token
+    kl = T([[1.0, 1.0], [1.0, 0.0]])
+    adv_kl, _ = advantages("reinforce_pp", T([[1.0], [0.0]]), mask, kl_BT=kl, kl_coef=0.1)
+    # token rewards [[-0.1, 0.9], [-0.1, -]] -> returns [[0.8, 0.9], [-0.1, -]]
+    vals = T([0.8, 0.9, -0.1])
+    expected = (vals - vals.mean()) / vals.std(unbiased=False)
+    close(adv_kl, [[float(expected[0]), float(expected[1])], [float(expected[2]), 0.0]], tol=1e-3)
+
+
+def test_kl_estimators() -> None:
+    logp, ref = T([-1.0]), T([-2.0])
+    close(kl_estimate(logp, ref, "k1"), [1.0])
+    close(kl_estimate(logp, ref, "k2"), [0.5])
+    close(kl_estimate(logp, ref, "k3"), [math.exp(-1.0) - 1 + 1])  # exp(ref - logp) - 1 - (ref - logp)
+    with pytest.raises(ValueError, match="k1, k2 or k3"):
+        kl_estimate(logp, ref, "k4")
+
+
+def test_aggregations() -> None:
+    loss = T([[1.0, 2.0], [3.0, 7.0]])
+    mask = T([[1.0, 1.0], [1.0, 0.0]])
+    close(aggregate(loss, mask, "token_mean"), 2.0)  # (1 + 2 + 3) / 3
+    close(aggregate(loss, mask, "seq_mean_token_mean"), 2.25)  # (1.5 + 3) / 2
+    close(aggregate(loss, mask, "seq_mean_token_sum_norm"), 1.5)  # 6 / (2 * 2)
+
+
+def _loss(ratio: float, adv: float, **cfg: object) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+    behav = T([[-1.0]])
+    logp = (behav + math.log(ratio)).requires_grad_()
+    loss, metrics = policy_loss(logp, None, behav, T([[adv]]), T([[1.0]]), PolicyLossConfig(correction="none", **cfg))  # type: ignore[arg-type]
+    loss.backward()
+    assert logp.grad is not None
+    return loss, metrics, logp.grad
+
+
+def test_clipped_surrogate_dual_clip_and_clip_higher() -> None:
+    loss, metrics, grad = _loss(1.5, 1.0)  # -min(1.5, 1.2) = -1.2, clipped: no gradient
+    close(loss, -1.2)
+    assert metrics["clip_frac"] == 1.0 and float(grad) == 0.0
+    loss, metrics, grad = _loss(1.5, -1.0)  # -min(-1.5, -1.2) = 1.5, unclipped: gradient ratio * -A
+    close(loss, 1.5)
+    close(grad, [[1.5]])
+    loss, _, _ = _loss(1.5, 1.0, clip_high=0.28)  # clip-higher: -min(1.5, 1.28)
+    close(loss, -1.28)
+    loss, _, grad = _loss(4.0, -1.0, dual_clip=3.0)  # -min(-4, -1.2) = 4, bounded at 3 * |A|
+    close(loss, 3.0)
+    assert float(grad) == 0.0
+
+
+def test_decoupled_clips_around_the_proximal_policy_and_truncates_the_behaviour_weight() -> None:
+    behav = T([[-1.0]])
+    prox = behav + math.log(2.0)  # prox / behaviour = 2, truncated at 1.5
+    logp = (prox + math.log(1.1)).requires_grad_()  # ratio to prox 1.1: inside the clip range
+    cfg = PolicyLossConfig(correction="decoupled", is_cap=1.5)
+    loss, metrics = policy_loss(logp, prox, behav, T([[1.0]]), T([[1.0]]), cfg)
+    close(loss, -1.1 * 1.5)
+    assert metrics["behav_weight_max"] == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="proximal"):
+        policy_loss(logp, None, behav, T([[1.0]]), T([[1.0]]), cfg)
+
+
+def test_tis_weights_the_gradient_by_the_truncated_ratio() -> None:
+    behav = T([[-1.0]])
+    logp = (behav + math.log(3.0)).requires_grad_()  # pi / mu = 3, truncated at 2
+    loss, _ = policy_loss(logp, None, behav, T([[0.5]]), T([[1.0]]), PolicyLossConfig(correction="tis", is_cap=2.0))
+    loss.backward()
+    assert logp.grad is not None
+    close(logp.grad, [[-2.0 * 0.5]])  # d/dlogp of -w * A * logp
+
+
+def test_gspo_uses_the_length_normalised_sequence_ratio() -> None:
+    behav = T([[-1.0, -1.0]])
+    logp = (behav + T([[math.log(2.0), 0.0]])).requires_grad_()  # sequence ratio exp(log 2 / 2) = 1.414
+    cfg = PolicyLossConfig(correction="none", ratio_level="sequence")
+    loss, metrics = policy_loss(logp, None, behav, T([[1.0, 1.0]]), T([[1.0, 1.0]]), cfg)
+    close(loss, -1.2)  # both tokens clipped at 1 + 0.2
+    assert metrics["ratio_mean"] == pytest.approx(math.sqrt(2.0), rel=1e-4)
+
+
+def test_value_loss_clipping() -> None:
+    # v 2, old 1, return 3, clip 0.5: unclipped (2-3)^2 = 1, clipped v 1.5 -> 2.25; 0.5 * max = 1.125
+    close(value_loss(T([[2.0]]), T([[1.0]]), T([[3.0]]), T([[1.0]]), clip=0.5), 1.125)
+    close(value_loss(T([[2.0]]), T([[1.0]]), T([[3.0]]), T([[1.0]]), clip=None), 0.5)
+
+
+def test_dynamic_filtering_finds_groups_without_signal() -> None:
+    assert uniform_groups(T([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])).tolist() == [True, False, True]
+
+
+def test_unknown_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        advantages("ppo2", T([[1.0]]), T([[1.0]]))
+    with pytest.raises(ValueError, match="unknown off-policy correction"):
+        policy_loss(T([[0.0]]), None, T([[0.0]]), T([[1.0]]), T([[1.0]]), PolicyLossConfig(correction="magic"))
+    with pytest.raises(ValueError, match="aggregation"):
+        aggregate(T([[1.0]]), T([[1.0]]), "median")
