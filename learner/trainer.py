@@ -199,24 +199,42 @@ class Trainer:
 
     # ------------------------------------------------------------------ one optimizer step
 
-    def train_step(self, batch: Batch) -> StepStats | None:
+    def loss_on(self, batch: Batch) -> float:
+        """The policy loss this learner would optimise on ``batch`` now, without a step."""
+        stats = self.train_step(batch, apply=False)
+        assert stats is not None, "every group of the batch was filtered out"
+        return stats.metrics["loss/policy"]
+
+    def train_step(self, batch: Batch, apply: bool = True) -> StepStats | None:
         seqs, rewards_GN = sequences(batch)
         stats = StepStats(self.version)
         stats.staleness.update(g.staleness for g in batch.groups)
+        has_signal = True
         if self.cfg.algo.dynamic_filtering:
             keep = ~algos.uniform_groups(rewards_GN)
             stats.metrics["batch/groups_filtered"] = float((~keep).sum())
-            if not keep.any():
-                return None
-            kept = set(torch.nonzero(keep).flatten().tolist())
-            seqs = [s for s in seqs if s.group in kept]
-            rewards_GN = rewards_GN[keep]
+            has_signal = bool(keep.any())
+            if has_signal:
+                kept = set(torch.nonzero(keep).flatten().tolist())
+                seqs = [s for s in seqs if s.group in kept]
+                rewards_GN = rewards_GN[keep]
+            else:  # nothing to learn here, but this rank still joins the step's collectives
+                seqs = [s for s in seqs if s.group == 0]
+                rewards_GN = rewards_GN[:1]
+            if self._agree_max(int(has_signal)) == 0:
+                return None  # no rank has a group with signal: no step
         mbs = [
             build_micro_batch(seqs, idx, self.cfg.train.packing, self.pad_id)
             for idx in plan_micro_batches(
                 [len(s.prompt) + len(s.response) for s in seqs], self.cfg.train.micro_batch_tokens
             )
         ]
+        # Every rank must run as many forwards and backwards as the busiest one (ZeRO's collectives
+        # pair up across ranks); the extra ones repeat a micro-batch with a zero weight.
+        weights = [1.0 if has_signal else 0.0] * len(mbs)
+        extra = self._agree_max(len(mbs)) - len(mbs) if apply else 0
+        mbs += [mbs[-1]] * extra
+        weights += [0.0] * extra
         resp_mask = pad_rows([np.ones(len(s.response)) for s in seqs])
         prox = self._logprobs_no_grad(self.engine, seqs, mbs, resp_mask.shape[1]) if self._needs_prox() else None
         ref = self._logprobs_no_grad(self.ref, seqs, mbs, resp_mask.shape[1]) if self.ref is not None else None
@@ -234,7 +252,7 @@ class Trainer:
             gamma=self.cfg.algo.advantage.gamma,
             lam=self.cfg.algo.advantage.lam,
         )
-        self._optimize(seqs, mbs, adv, prox, ref, resp_mask, stats)
+        self._optimize(seqs, mbs, weights, adv, prox, ref, resp_mask, stats, apply)
         behav = pad_rows([s.behav_logprobs for s in seqs])
         stats.metrics.update(
             {
@@ -254,6 +272,16 @@ class Trainer:
         if prox is not None:
             stats.metrics["offpolicy/prox_minus_behav"] = float(algos.masked_mean(prox - behav, resp_mask))
         return stats
+
+    def _agree_max(self, value: int) -> int:
+        """The largest ``value`` over the data-parallel ranks."""
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     def _needs_prox(self) -> bool:
         return self.cfg.algo.off_policy.correction == "decoupled" or (
@@ -282,46 +310,73 @@ class Trainer:
         self,
         seqs: list[Sequence],
         mbs: list[MicroBatch],
+        weights: list[float],
         adv: torch.Tensor,
         prox: torch.Tensor | None,
         ref: torch.Tensor | None,
         resp_mask: torch.Tensor,
         stats: StepStats,
+        apply: bool = True,
     ) -> None:
         algo = self.cfg.algo
         step_tokens = float(resp_mask.sum())
         step_seqs, step_width = len(seqs), resp_mask.shape[1]
         sums: Counter[str] = Counter()
         self.engine.train()
-        for k, mb in enumerate(mbs):
-            idx = mb.seq_index
-            logits = self._forward(self.engine, mb)
-            lp, mask = to_rows(token_logprobs(logits, mb.targets.to(self.device), self.temperature), mb)
-            w = mask.shape[1]
-            mask = mask.to(lp.device)
-            behav = pad_rows([seqs[i].behav_logprobs for i in idx], w).to(lp.device)
-            a = adv[idx, :w].to(lp.device)
-            p = prox[idx, :w].to(lp.device) if prox is not None else None
-            loss, m = algos.policy_loss(lp, p, behav, a, mask, self.loss_cfg)
-            if ref is not None and not algo.kl.in_reward:
-                kl = algos.kl_estimate(lp, ref[idx, :w].to(lp.device), algo.kl.estimator)
-                loss = loss + algo.kl.coef * algos.aggregate(kl, mask, self.loss_cfg.aggregation)
-                sums["kl"] += float(algos.masked_mean(kl.detach(), mask)) * float(mask.sum())
-            ent = entropy_at(logits, mb, grad=algo.entropy_coef > 0)
-            ent_rows, _ = to_rows(ent, mb)
-            if algo.entropy_coef > 0:
-                loss = loss - algo.entropy_coef * algos.aggregate(ent_rows, mask, self.loss_cfg.aggregation)
-            loss = loss * self._share(mb, mask, step_tokens, step_seqs, step_width)
-            self.engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
-            self.engine.backward(loss)
-            self.engine.step()
-            n = float(mask.sum())
+        for k, (mb, weight) in enumerate(zip(mbs, weights, strict=True)):
+            with torch.enable_grad() if apply else torch.no_grad():
+                loss, m, n, ent_mean, kl_mean = self._micro_loss(
+                    seqs, mb, adv, prox, ref, step_tokens, step_seqs, step_width
+                )
+            if weight == 0.0:
+                loss, n = loss * 0.0, 0.0  # padding: same collectives, no gradient, not counted
+            if apply:
+                self.engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
+                self.engine.backward(loss)
+                self.engine.step()
             sums["tokens"] += n
             sums["loss"] += float(loss.detach())
-            sums["entropy"] += float(algos.masked_mean(ent_rows.detach(), mask)) * n
+            sums["entropy"] += ent_mean * n
+            sums["kl"] += kl_mean * n
             for key in ("clip_frac", "ratio_mean", "behav_weight_mean"):
                 sums[key] += m[key] * n
             sums["behav_weight_max"] = max(sums["behav_weight_max"], m["behav_weight_max"])
+        self._record(sums, stats, len(mbs), ref is not None and not algo.kl.in_reward)
+
+    def _micro_loss(
+        self,
+        seqs: list[Sequence],
+        mb: MicroBatch,
+        adv: torch.Tensor,
+        prox: torch.Tensor | None,
+        ref: torch.Tensor | None,
+        step_tokens: float,
+        step_seqs: int,
+        step_width: int,
+    ) -> tuple[torch.Tensor, dict[str, float], float, float, float]:
+        """One micro-batch's share of the step loss, its metrics, tokens, mean entropy, mean KL."""
+        algo = self.cfg.algo
+        idx = mb.seq_index
+        logits = self._forward(self.engine, mb)
+        lp, mask = to_rows(token_logprobs(logits, mb.targets.to(self.device), self.temperature), mb)
+        w = mask.shape[1]
+        mask = mask.to(lp.device)
+        behav = pad_rows([seqs[i].behav_logprobs for i in idx], w).to(lp.device)
+        a = adv[idx, :w].to(lp.device)
+        p = prox[idx, :w].to(lp.device) if prox is not None else None
+        loss, m = algos.policy_loss(lp, p, behav, a, mask, self.loss_cfg)
+        kl_mean = 0.0
+        if ref is not None and not algo.kl.in_reward:
+            kl = algos.kl_estimate(lp, ref[idx, :w].to(lp.device), algo.kl.estimator)
+            loss = loss + algo.kl.coef * algos.aggregate(kl, mask, self.loss_cfg.aggregation)
+            kl_mean = float(algos.masked_mean(kl.detach(), mask))
+        ent_rows, _ = to_rows(entropy_at(logits, mb, grad=algo.entropy_coef > 0), mb)
+        if algo.entropy_coef > 0:
+            loss = loss - algo.entropy_coef * algos.aggregate(ent_rows, mask, self.loss_cfg.aggregation)
+        loss = loss * self._share(mb, mask, step_tokens, step_seqs, step_width)
+        return loss, m, float(mask.sum()), float(algos.masked_mean(ent_rows.detach(), mask)), kl_mean
+
+    def _record(self, sums: Counter[str], stats: StepStats, micro_batches: int, with_kl: bool) -> None:
         n = max(sums["tokens"], 1.0)
         stats.metrics.update(
             {
@@ -332,10 +387,10 @@ class Trainer:
                 "offpolicy/behav_weight_mean": sums["behav_weight_mean"] / n,
                 "offpolicy/behav_weight_max": sums["behav_weight_max"],
                 "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
-                "perf/micro_batches": float(len(mbs)),
+                "perf/micro_batches": float(micro_batches),
             }
         )
-        if ref is not None and not algo.kl.in_reward:
+        if with_kl:
             stats.metrics["policy/kl"] = sums["kl"] / n
 
     def _share(self, mb: MicroBatch, mask: torch.Tensor, step_tokens: float, step_seqs: int, step_width: int) -> float:
