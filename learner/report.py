@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 class Reporter:
     def __init__(self, cfg: FlywheelConfig, rank: int) -> None:
         self.cfg = cfg
-        run_dir = Path(cfg.train.run_dir or ".")
+        run_dir = Path(cfg.train.run_dir or Path("runs") / cfg.run.name)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_file = (run_dir / "learner_metrics.jsonl").open("a")
         self.console = Console(stderr=True)
