@@ -49,10 +49,14 @@ async def vllm_phase(model_dir: Path, reqs: list[tuple[list[int], int]], syncs: 
     from generators.sync_link import SyncLink
     from learner.weight_sync import WeightBroadcaster
 
+    # Two GPUs: the learner side on GPU 1 broadcasts over NCCL to the vLLM worker on GPU 0. One GPU:
+    # NCCL refuses two ranks on one device, so the bytes go over gloo through host memory.
+    two_gpus = torch.cuda.device_count() >= 2
+    transport, learner_device = ("nccl", "cuda:1") if two_gpus else ("gloo", "cpu")
     cfg = FlywheelConfig.model_validate(
         {
             "generator": {"model": str(model_dir), "max_num_seqs": 256, "gpu_memory_utilization": 0.6},
-            "sync": {"announce_port": free_port(), "join_port": free_port(), "transport": "gloo", "timeout_s": 300},
+            "sync": {"announce_port": free_port(), "join_port": free_port(), "transport": transport, "timeout_s": 300},
         }
     )
     engine = build_engine(cfg.generator)
@@ -84,13 +88,13 @@ async def vllm_phase(model_dir: Path, reqs: list[tuple[list[int], int]], syncs: 
     console.print(f"vLLM engine: {throughput['tokens_per_s']:.0f} tokens/s")
 
     # D'. in-flight updates through the real service code
-    wb = WeightBroadcaster(cfg.sync)
+    wb = WeightBroadcaster(cfg.sync, device=learner_device)
     link = HubLink(f"tcp://127.0.0.1:{free_port()}", "bench", str(model_dir), 1)  # no hub: no leases
     sync = SyncLink("127.0.0.1", cfg.sync.announce_port, cfg.sync.join_port, "bench", 1)
     service = GeneratorService(cfg, engine, link, sync, "bench", engine_max_model_len(engine))
     service_task = asyncio.create_task(service.run())
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    tensors = dict(model.state_dict())
+    tensors = {n: t.to(learner_device) for n, t in model.state_dict().items()}
     stop = threading.Event()
     reports = []
 
@@ -116,7 +120,7 @@ async def vllm_phase(model_dir: Path, reqs: list[tuple[list[int], int]], syncs: 
         "syncs": syncs,
         "acked": sum(1 for r in reports if r.acked),
         "bytes": reports[-1].nbytes if reports else 0,
-        "transport": "gloo (host memory; one GPU)",
+        "transport": "nccl, GPU 1 -> GPU 0" if two_gpus else "gloo (host memory; one GPU)",
         "p50_s": float(np.median(totals)),
         "max_s": float(np.max(totals)),
         "broadcast_p50_s": float(np.median([r.broadcast_s for r in reports])),
@@ -140,6 +144,9 @@ def main() -> int:
     reqs = make_requests(model_dir, args.prompts, 4, 64, 640, seed=0)
     console.print(f"[bold]model[/] ~0.9B, {len(reqs)} sequences, response lengths {length_stats(reqs)}")
     hf = run_hf(model_dir, reqs, 64, device="cuda")
+    import torch
+
+    torch.cuda.empty_cache()  # hand the memory back: vLLM (another process) sizes its KV cache by what is free
     console.print(f"HF generate: {hf['tokens_per_s']:.0f} tokens/s")
     res = asyncio.run(vllm_phase(model_dir, reqs, args.syncs))
     vllm, inflight = res["throughput"], res["inflight"]

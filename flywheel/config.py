@@ -346,7 +346,8 @@ class TrainConfig(_Section):
     resume: bool = Field(False, description="Resume from the latest checkpoint in checkpoint_dir, if there is one.")
     export_dir: str | None = Field(None, description="Save the final policy as an HF checkpoint here.")
     run_dir: str | None = Field(
-        None, description="Metrics (learner_metrics.jsonl) and wandb files; unset: runs/<run.name> under the working directory."
+        None,
+        description="Metrics (learner_metrics.jsonl) and wandb files; unset: runs/<run.name> under the working directory.",
     )
 
 

@@ -1,0 +1,174 @@
+"""Weight sync between two GPUs over NCCL: Flywheel's bucketed broadcast (``flywheel.weights``:
+pack, broadcast, unpack every bucket, double-buffered) from a learner on GPU 0 to a receiver on
+GPU 1, against one raw NCCL broadcast of a flat buffer of the same bytes, in the same run.
+
+Parameter sets have the shapes of Qwen2.5-0.5B, -1.5B and -7B (bf16), generated on the GPU.
+
+    python bench/weight_sync_gpu.py          # needs 2 GPUs; writes bench/results/weight_sync_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+MODELS = {
+    # name: hidden, layers, intermediate, kv heads, head dim, vocab, tied embeddings
+    "0.5B": (896, 24, 4864, 2, 64, 151936, True),
+    "1.5B": (1536, 28, 8960, 2, 128, 151936, True),
+    "7B": (3584, 28, 18944, 4, 128, 152064, False),
+}
+BUCKETS_MB = [64, 256, 1024]
+
+
+def shapes(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    h, layers, inter, kv, hd, vocab, tied = MODELS[name]
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "self_attn.q_proj.weight", (h, h)),
+            (p + "self_attn.q_proj.bias", (h,)),
+            (p + "self_attn.k_proj.weight", (kv * hd, h)),
+            (p + "self_attn.k_proj.bias", (kv * hd,)),
+            (p + "self_attn.v_proj.weight", (kv * hd, h)),
+            (p + "self_attn.v_proj.bias", (kv * hd,)),
+            (p + "self_attn.o_proj.weight", (h, h)),
+            (p + "mlp.gate_proj.weight", (inter, h)),
+            (p + "mlp.up_proj.weight", (inter, h)),
+            (p + "mlp.down_proj.weight", (h, inter)),
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+        ]
+    out.append(("model.norm.weight", (h,)))
+    if not tied:
+        out.append(("lm_head.weight", (vocab, h)))
+    return out
+
+
+def worker(rank: int, port: int, repeats: int, queue: mp.Queue) -> None:  # type: ignore[type-arg]
+    from flywheel.weights import host_store, join_group, plan_buckets, receive, send
+    from flywheel.wire import BucketLayout, WeightsReady
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    store = host_store("127.0.0.1", 300) if rank == 0 else None
+    if rank == 0:
+        queue.put(store.port)  # type: ignore[union-attr]
+        port = store.port  # type: ignore[union-attr]
+    group = join_group("nccl", "127.0.0.1", port, rank, 2, 1, 300, store=store, device=dev)
+    results = []
+    token = torch.zeros(1, device=dev)
+    for name in MODELS:
+        named = [(n, torch.empty(s, dtype=torch.bfloat16, device=dev)) for n, s in shapes(name)]
+        tensors = dict(named)
+        if rank == 0:
+            for t in tensors.values():
+                t.normal_()
+        total = sum(t.numel() * 2 for t in tensors.values())
+        flat = torch.empty(total, dtype=torch.uint8, device=dev)
+
+        def timed(fn: Callable[..., None], *fn_args: object) -> float:
+            group.broadcast(token)  # both ranks start together
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(*fn_args)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        def raw(buf: torch.Tensor) -> None:
+            group.broadcast(buf)
+
+        def bucketed(buckets: list[BucketLayout], tensors: dict[str, torch.Tensor], ready: WeightsReady) -> None:
+            if rank == 0:
+                send(group, buckets, tensors)
+            else:
+                for _name, _t in receive(group, ready):
+                    pass
+
+        raw(flat)  # warm-up (NCCL communicator set-up)
+        raw_s = sorted(timed(raw, flat) for _ in range(repeats))[repeats // 2]
+        for mb in BUCKETS_MB:
+            buckets = plan_buckets(named, mb << 20)
+            ready = WeightsReady(
+                version=1, buckets=buckets, transport="nccl", deadline=time.time() + 600, epoch=1,
+                master_addr="127.0.0.1", master_port=port, world_size=2, ranks={"bench": 1},
+            )  # fmt: skip
+            bucketed(buckets, tensors, ready)  # warm-up: buffers
+            b_s = sorted(timed(bucketed, buckets, tensors, ready) for _ in range(repeats))[repeats // 2]
+            if rank == 0:
+                results.append(
+                    {
+                        "model": name,
+                        "params": sum(t.numel() for t in tensors.values()),
+                        "bytes": total,
+                        "bucket_mb": mb,
+                        "buckets": len(buckets),
+                        "raw_s": raw_s,
+                        "bucketed_s": b_s,
+                        "raw_gb_s": total / raw_s / 1e9,
+                        "bucketed_gb_s": total / b_s / 1e9,
+                        "efficiency": raw_s / b_s,
+                    }
+                )
+                print(results[-1], flush=True)
+        del named, tensors, flat
+        torch.cuda.empty_cache()
+    if rank == 0:
+        queue.put(results)
+    group.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "weight_sync_gpu.json"))
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    if torch.cuda.device_count() < 2:
+        print("needs 2 GPUs", file=sys.stderr)
+        return 2
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    r0 = ctx.Process(target=worker, args=(0, 0, args.repeats, queue))
+    r0.start()
+    port = queue.get(timeout=120)
+    r1 = ctx.Process(target=worker, args=(1, port, args.repeats, queue))
+    r1.start()
+    rows = queue.get(timeout=1200)
+    r0.join(60)
+    r1.join(60)
+    best = {m: max((r for r in rows if r["model"] == m), key=lambda r: r["efficiency"]) for m in MODELS}
+    result = {
+        "headline": {
+            "nccl_efficiency": min(b["efficiency"] for b in best.values()),
+            "sync_7b_s": best["7B"]["bucketed_s"],
+        },
+        "rows": rows,
+        "config": {"transport": "nccl", "dtype": "bfloat16", "repeats": args.repeats, "buckets_mb": BUCKETS_MB},
+        "machine": {"gpus": [torch.cuda.get_device_name(i) for i in range(2)], "platform": platform.platform()},
+    }
+    print(f"{'model':>6} {'bucket MB':>9} {'buckets':>7} {'GB':>6} {'raw GB/s':>9} {'bucketed GB/s':>13} {'eff':>5}")
+    for r in rows:
+        print(
+            f"{r['model']:>6} {r['bucket_mb']:>9} {r['buckets']:>7} {r['bytes'] / 1e9:>6.2f} "
+            f"{r['raw_gb_s']:>9.1f} {r['bucketed_gb_s']:>13.1f} {r['efficiency']:>5.2f}"
+        )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["headline"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
