@@ -404,6 +404,11 @@ def main() -> int:
         },
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
     }
+    gpu_result = ROOT / "bench" / "results" / "generation_gpu.json"
+    if gpu_result.exists():  # measured on the H200 by bench/generation_gpu.py
+        result["headline"]["gpu_ratio_vllm_vs_hf"] = json.loads(gpu_result.read_text())["headline"][
+            "gpu_ratio_vllm_vs_hf"
+        ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"wrote {args.out}")

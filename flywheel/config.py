@@ -208,6 +208,13 @@ class GeneratorConfig(_Section):
     max_model_len: int | None = Field(None, ge=16, description="Longest prompt + response; unset: the model's.")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory vLLM may take.")
     cpu_kv_cache_gib: float = Field(1.0, gt=0, le=1024, description="KV-cache size on CPUs (VLLM_CPU_KVCACHE_SPACE).")
+    cpu_reserved_cores: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="CPUs only: cores vLLM keeps free of model threads (VLLM_CPU_NUM_OF_RESERVED_CPU); 0 measured "
+        "fastest on 2 cores.",
+    )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs / compilation (faster start, slower decode).")
     max_num_seqs: int = Field(256, ge=1, le=65536, description="Sequences vLLM batches at once.")
     seed: int = Field(0, ge=0, description="Engine seed; each request also gets a seed derived from its group.")
@@ -334,8 +341,14 @@ class TrainConfig(_Section):
     micro_batch_tokens: int = Field(
         16384, ge=16, le=1 << 24, description="Token budget of one forward/backward (sequences are packed up to it)."
     )
-    packing: bool = Field(
-        True, description="Padding-free packing of sequences into one row (position ids restart per sequence)."
+    packing: bool | Literal["auto"] = Field(
+        "auto",
+        description="Padding-free packing of sequences into one row (position ids restart per sequence). auto: "
+        "packed with attention kernels that skip the other sequences (flash_attention_2, flex_attention), padded "
+        "with sdpa/eager, where a packed row costs a dense mask.",
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
+        "sdpa", description="transformers attention implementation of the trained model."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     batch_timeout_s: float = Field(

@@ -17,6 +17,7 @@ def build_engine(cfg: GeneratorConfig) -> Any:
         raise ValueError("generator.model is required: pass --generator.model PATH (an HF causal-LM directory or name)")
     # vLLM reads these at import; only set what the user has not set.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.cpu_kv_cache_gib))))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(cfg.cpu_reserved_cores))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import torch
     from vllm.engine.arg_utils import AsyncEngineArgs

@@ -109,6 +109,10 @@ class Trainer:
         )
         self.ref = self._load_reference() if cfg.algo.kl.coef > 0 else None
         self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
+        t = cfg.train
+        self.packing = t.packing is True or (
+            t.packing == "auto" and t.attn_implementation in ("flash_attention_2", "flex_attention")
+        )
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.version = 0
         self.redis = redis.Redis.from_url(cfg.redis.url or "", socket_timeout=cfg.redis.socket_timeout_s)
@@ -139,7 +143,9 @@ class Trainer:
             if (self.cfg.ds.dtype == "bf16" or (self.cfg.ds.dtype == "auto" and self.on_gpu))
             else torch.float32
         )
-        model = AutoModelForCausalLM.from_pretrained(self.cfg.train.model, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            self.cfg.train.model, dtype=dtype, attn_implementation=self.cfg.train.attn_implementation
+        )
         if self.cfg.train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -224,7 +230,7 @@ class Trainer:
             if self._agree_max(int(has_signal)) == 0:
                 return None  # no rank has a group with signal: no step
         mbs = [
-            build_micro_batch(seqs, idx, self.cfg.train.packing, self.pad_id)
+            build_micro_batch(seqs, idx, self.packing, self.pad_id)
             for idx in plan_micro_batches(
                 [len(s.prompt) + len(s.response) for s in seqs], self.cfg.train.micro_batch_tokens
             )
