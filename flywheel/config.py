@@ -314,6 +314,19 @@ class KLConfig(_Section):
     reference: str | None = Field(None, description="Reference model path; unset: train.model.")
 
 
+class CriticConfig(_Section):
+    """The value model PPO's gae estimator needs."""
+
+    enabled: bool = Field(False, description="Train a critic (required by algo.advantage.estimator gae).")
+    model: str | None = Field(
+        None, description="Critic initialisation (a causal-LM path; a value head is added); unset: train.model."
+    )
+    lr: float = Field(1e-5, gt=0, le=1, description="Critic learning rate (AdamW).")
+    value_clip: float | None = Field(
+        0.2, gt=0, description="PPO value clipping around the values at the start of the step; null: off."
+    )
+
+
 class AlgoConfig(_Section):
     """The RL algorithm."""
 
@@ -325,6 +338,7 @@ class AlgoConfig(_Section):
     dynamic_filtering: bool = Field(
         False, description="Skip groups whose rewards are all equal (no advantage signal), as DAPO does."
     )
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="Value model (PPO).")
 
 
 class TrainConfig(_Section):
@@ -405,11 +419,13 @@ class FlywheelConfig(_Section):
     @model_validator(mode="after")
     def _algorithm_is_consistent(self) -> FlywheelConfig:
         est = self.algo.advantage.estimator
-        if est == "gae":
+        if est == "gae" and not self.algo.critic.enabled:
             raise ValueError(
-                "algo.advantage.estimator gae needs a critic, which this version does not train yet: "
-                "use grpo, dr_grpo, rloo, reinforce_pp or reinforce_pp_baseline"
+                "algo.advantage.estimator gae needs a critic: add --algo.critic.enabled true "
+                "(or use a critic-free estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline)"
             )
+        if self.algo.critic.enabled and est != "gae":
+            raise ValueError(f"algo.critic.enabled trains a value model only gae uses, not {est}: drop it or use gae")
         if self.algo.loss.clip_high < self.algo.loss.clip_low:
             raise ValueError("algo.loss.clip_high must be >= algo.loss.clip_low (clip-higher widens the upper side)")
         return self

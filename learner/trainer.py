@@ -108,6 +108,7 @@ class Trainer:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=conf
         )
         self.ref = self._load_reference() if cfg.algo.kl.coef > 0 else None
+        self.critic = self._build_critic(conf) if cfg.algo.critic.enabled else None
         self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
         t = cfg.train
         self.packing = t.packing is True or (
@@ -150,6 +151,23 @@ class Trainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         return model
+
+    def _build_critic(self, conf: dict[str, Any]) -> Any:
+        """A value model: the policy's backbone with a scalar head, in its own DeepSpeed engine."""
+        import deepspeed
+        from transformers import AutoModelForTokenClassification
+
+        c = self.cfg.algo.critic
+        model = AutoModelForTokenClassification.from_pretrained(
+            c.model or self.cfg.train.model,
+            num_labels=1,
+            dtype=self.engine.module.dtype,
+            attn_implementation=self.cfg.train.attn_implementation,
+        )
+        model.config.use_cache = False
+        optimizer = torch.optim.AdamW(model.parameters(), lr=c.lr, weight_decay=self.cfg.train.weight_decay)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=conf)
+        return engine
 
     def _load_reference(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -244,21 +262,26 @@ class Trainer:
         resp_mask = pad_rows([np.ones(len(s.response)) for s in seqs])
         prox = self._logprobs_no_grad(self.engine, seqs, mbs, resp_mask.shape[1]) if self._needs_prox() else None
         ref = self._logprobs_no_grad(self.ref, seqs, mbs, resp_mask.shape[1]) if self.ref is not None else None
+        old_values = self._values(seqs, mbs, resp_mask.shape[1]) if self.critic is not None else None
         kl_in_reward = ref if (ref is not None and self.cfg.algo.kl.in_reward) else None
         kl_ref = None
         if kl_in_reward is not None:
             assert prox is not None
             kl_ref = algos.kl_estimate(prox, kl_in_reward, self.cfg.algo.kl.estimator)
-        adv, _ = algos.advantages(
+        adv, returns = algos.advantages(
             self.cfg.algo.advantage.estimator,
             rewards_GN,
             resp_mask,
+            values_BT=old_values,
             kl_BT=kl_ref,
             kl_coef=self.cfg.algo.kl.coef if kl_ref is not None else 0.0,
             gamma=self.cfg.algo.advantage.gamma,
             lam=self.cfg.algo.advantage.lam,
         )
         self._optimize(seqs, mbs, weights, adv, prox, ref, resp_mask, stats, apply)
+        if self.critic is not None:
+            assert old_values is not None and returns is not None
+            self._fit_critic(mbs, weights, old_values, returns, resp_mask, stats, apply)
         behav = pad_rows([s.behav_logprobs for s in seqs])
         stats.metrics.update(
             {
@@ -288,6 +311,47 @@ class Trainer:
         t = torch.tensor([value], dtype=torch.long, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
+
+    def _values(self, seqs: list[Sequence], mbs: list[MicroBatch], width: int) -> torch.Tensor:
+        """The critic's values of every response position before this step (no gradient)."""
+        out = torch.zeros((len(seqs), width), dtype=torch.float32)
+        with torch.no_grad():
+            for mb in mbs:
+                rows, _ = to_rows(self._forward(self.critic, mb)[..., 0].float().cpu(), mb)
+                out[mb.seq_index, : rows.shape[1]] = rows
+        return out
+
+    def _fit_critic(
+        self,
+        mbs: list[MicroBatch],
+        weights: list[float],
+        old_values: torch.Tensor,
+        returns: torch.Tensor,
+        resp_mask: torch.Tensor,
+        stats: StepStats,
+        apply: bool,
+    ) -> None:
+        assert self.critic is not None
+        step_tokens = max(float(resp_mask.sum()), 1.0)
+        clip = self.cfg.algo.critic.value_clip
+        total, err = 0.0, 0.0
+        for k, (mb, weight) in enumerate(zip(mbs, weights, strict=True)):
+            with torch.enable_grad() if apply else torch.no_grad():
+                values, mask = to_rows(self._forward(self.critic, mb)[..., 0].float(), mb)
+                mask = mask.to(values.device)
+                w = mask.shape[1]
+                old = old_values[mb.seq_index, :w].to(values.device)
+                ret = returns[mb.seq_index, :w].to(values.device)
+                loss = algos.value_loss(values, old, ret, mask, clip) * (float(mask.sum()) / step_tokens) * weight
+            if apply:
+                self.critic.set_gradient_accumulation_boundary(k == len(mbs) - 1)
+                self.critic.backward(loss)
+                self.critic.step()
+            total += float(loss.detach())
+            err += float(((values.detach() - ret) ** 2 * mask).sum()) * weight
+        stats.metrics["critic/value_loss"] = total
+        stats.metrics["critic/value_mean"] = float(algos.masked_mean(old_values, resp_mask))
+        stats.metrics["critic/return_mse"] = err / step_tokens
 
     def _needs_prox(self) -> bool:
         return self.cfg.algo.off_policy.correction == "decoupled" or (
@@ -459,6 +523,8 @@ class Trainer:
             return
         state = {"version": self.version, "hub_counters": self.client.counters() if self.rank == 0 else {}}
         self.engine.save_checkpoint(directory, tag=f"v{self.version}", client_state=state)
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(Path(directory) / "critic"), tag=f"v{self.version}")
         log.info("checkpoint v%d saved in %s", self.version, directory)
 
     def load_checkpoint(self) -> bool:
@@ -469,6 +535,8 @@ class Trainer:
         if state is None:
             raise RuntimeError(f"could not load the checkpoint in {directory}")
         self.version = int(state["version"])
+        if self.critic is not None:
+            self.critic.load_checkpoint(str(Path(directory) / "critic"), tag=f"v{self.version}")
         if self.rank == 0:
             self.client.set_version(self.version)
         log.info("resumed from %s at version %d", directory, self.version)

@@ -99,6 +99,37 @@ def test_learner_trains_on_hub_batches(cluster: Cluster, checkpoint_dir: Path, s
         assert any((run_dir / "wandb").glob("offline-run-*")), "no offline wandb run was written"
 
 
+def test_ppo_with_a_critic_trains_and_checkpoints_both_models(cluster: Cluster, checkpoint_dir: Path) -> None:
+    start_rollouts(cluster)
+    run_dir, ckpt = cluster.tmp / "run", cluster.tmp / "ckpt"
+    learner = start_learner(
+        cluster,
+        checkpoint_dir,
+        1,
+        "--algo.advantage.estimator",
+        "gae",
+        "--algo.critic.enabled",
+        "true",
+        "--algo.kl.coef",
+        "0.05",
+        "--algo.kl.in_reward",
+        "true",
+        "--train.total_steps",
+        "2",
+        "--train.run_dir",
+        str(run_dir),
+        "--train.checkpoint_dir",
+        str(ckpt),
+    )
+    assert learner.proc.wait(timeout=300) == 0, learner.tail(60)
+    steps = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2
+    for s in steps:
+        assert np.isfinite(s["critic/value_loss"]) and s["critic/value_loss"] > 0
+        assert np.isfinite(s["loss/policy"])
+    assert (ckpt / "critic" / "latest").read_text().strip() == "v2"
+
+
 def test_resume_gives_the_same_loss_as_an_uninterrupted_run(cluster: Cluster, checkpoint_dir: Path) -> None:
     start_rollouts(cluster, "--async.max_staleness", "100")
     out = subprocess.run(
@@ -140,6 +171,8 @@ def test_bad_learner_flags_name_the_flag(tmp_path: Path) -> None:
     assert out.returncode == 2 and "--data.n_samples_per_prompt" in out.stderr
     out = run("--train.micro_batch_tokens", "-3")
     assert out.returncode == 2 and "train.micro_batch_tokens" in out.stderr
+    out = run("--algo.advantage.estimator", "gae")
+    assert out.returncode == 2 and "--algo.critic.enabled" in out.stderr
     out = run("--help")
     assert out.returncode == 0 and "--algo.advantage.estimator" in out.stdout
 
