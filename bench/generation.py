@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -122,34 +123,40 @@ def run_hf(model_dir: Path, reqs: list[tuple[list[int], int]], batch: int, devic
 # --------------------------------------------------------------------------- B. vLLM engine
 
 
-async def _vllm(model_dir: Path, reqs: list[tuple[list[int], int]], enforce_eager: bool) -> dict[str, float]:
+async def stream_request(engine: Any, i: int, prompt: list[int], length: int) -> int:
+    """One request of exactly ``length`` sampled tokens, streamed with log-probabilities as the
+    generator service consumes them; returns the tokens received."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
+    params = SamplingParams(
+        max_tokens=length,
+        min_tokens=length,
+        temperature=1.0,
+        logprobs=0,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+        seed=i,
+    )
+    got = 0
+    lps: list[float] = []
+    async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, f"r{i}-{time.monotonic_ns()}"):
+        c = out.outputs[0]
+        lps.extend(c.logprobs[k][t].logprob for k, t in enumerate(c.token_ids))
+        got += len(c.token_ids)
+    assert len(lps) == got
+    return got
+
+
+async def _vllm(model_dir: Path, reqs: list[tuple[list[int], int]], enforce_eager: bool) -> dict[str, float]:
     from flywheel.config import GeneratorConfig
     from generators.engine import build_engine
 
     engine = build_engine(GeneratorConfig(model=str(model_dir), enforce_eager=enforce_eager, max_num_seqs=256))
 
-    async def one(i: int, prompt: list[int], length: int) -> int:
-        params = SamplingParams(
-            max_tokens=length,
-            min_tokens=length,
-            temperature=1.0,
-            logprobs=0,
-            output_kind=RequestOutputKind.DELTA,
-            detokenize=False,
-            seed=i,
-        )
-        got = 0
-        lps: list[float] = []
-        async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, f"r{i}-{time.monotonic_ns()}"):
-            c = out.outputs[0]
-            lps.extend(c.logprobs[k][t].logprob for k, t in enumerate(c.token_ids))  # as the service does
-            got += len(c.token_ids)
-        assert len(lps) == got
-        return got
+    def one(i: int, prompt: list[int], length: int) -> Any:
+        return stream_request(engine, i, prompt, length)
 
     try:
         await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(reqs[:8])))  # warm-up

@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,15 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from generation import console, length_stats, make_requests, run_hf  # noqa: E402
+from generation import console, length_stats, make_requests, run_hf, stream_request  # noqa: E402
 
 
 async def vllm_phase(model_dir: Path, reqs: list[tuple[list[int], int]], syncs: int) -> dict[str, object]:
     import torch
     from transformers import AutoModelForCausalLM
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
 
     from flywheel.config import FlywheelConfig
     from flywheel.redis_server import free_port
@@ -61,23 +59,8 @@ async def vllm_phase(model_dir: Path, reqs: list[tuple[list[int], int]], syncs: 
     )
     engine = build_engine(cfg.generator)
 
-    async def one(i: int, prompt: list[int], length: int) -> int:
-        params = SamplingParams(
-            max_tokens=length,
-            min_tokens=length,
-            temperature=1.0,
-            logprobs=0,
-            output_kind=RequestOutputKind.DELTA,
-            detokenize=False,
-            seed=i,
-        )
-        got = 0
-        lps: list[float] = []
-        async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, f"r{i}-{time.monotonic_ns()}"):
-            c = out.outputs[0]
-            lps.extend(c.logprobs[k][t].logprob for k, t in enumerate(c.token_ids))
-            got += len(c.token_ids)
-        return got
+    def one(i: int, prompt: list[int], length: int) -> Any:
+        return stream_request(engine, i, prompt, length)
 
     await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(reqs[:16])))  # warm-up
     start = time.perf_counter()
