@@ -185,6 +185,17 @@ class Trainer:
         if self.version > 0:
             self.sync_weights()  # a resumed learner: bring the generators to its version first
         reporter = self._reporter()
+        try:
+            self._loop(total, reporter)
+        finally:
+            if hasattr(reporter, "close"):
+                reporter.close()  # wandb's files and the metrics file are complete even after an error
+        if self.cfg.train.checkpoint_dir:
+            self.save_checkpoint()
+        if self.cfg.train.export_dir:
+            self.export(Path(self.cfg.train.export_dir))
+
+    def _loop(self, total: int, reporter: Any) -> None:
         while self.version < total:
             t0 = time.perf_counter()
             batch = self.claim()
@@ -209,10 +220,6 @@ class Trainer:
                 }
             )
             reporter(stats)
-        if self.cfg.train.checkpoint_dir:
-            self.save_checkpoint()
-        if self.cfg.train.export_dir:
-            self.export(Path(self.cfg.train.export_dir))
 
     def claim(self) -> Batch:
         n = max(1, self.cfg.async_.groups_per_step // self.world)
