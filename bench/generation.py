@@ -296,7 +296,7 @@ def run_inflight(work: Path, model_dir: Path, syncs: int) -> dict[str, float]:
                 "reward_service",
                 [
                     *base,
-                    "--reward.function",
+                    "--reward.functions",
                     "length",
                     "--reward.hub_address",
                     f"tcp://127.0.0.1:{ports['reward_port']}",

@@ -81,7 +81,7 @@ def run_flywheel(
         str(ETA),
         "--async.groups_per_step",
         str(GPS),
-        "--reward.function",
+        "--reward.functions",
         "length",
         "--hub.generator_port",
         "0",

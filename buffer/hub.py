@@ -455,10 +455,31 @@ class Hub:
         group.samples[msg.sample].score = score
         group.samples[msg.sample].response = None  # scored: the hub no longer needs the tokens
         self.stats.scores_in += 1
+        if msg.error is not None:
+            self.stats.reward_errors[msg.error.split(":", 1)[0][:32]] += 1
         gid = group.meta.group_id
         self._pipe.hset(self.keys.group(gid), score_field(msg.sample), pack(score))
         if group.all_scored():
+            self._group_scored(group)
+
+    def _group_scored(self, group: OpenGroup) -> None:
+        """Every sample has its Score: the group is ready, or dropped when a score failed and
+        reward.on_error is drop_group (a failed reward must not train as a real one)."""
+        failed = [s.score.error for s in group.samples if s.score is not None and s.score.error is not None]
+        if not failed or self.cfg.reward.on_error == "assign":
             self._mark_ready(group)
+            return
+        gid = group.meta.group_id
+        group.move(GroupState.SCORED)
+        group.move(GroupState.DROPPED)
+        self._pipe.unlink(self.keys.group(gid))
+        self._pipe.srem(self.keys.open, gid)
+        self._pipe.hincrby(self.keys.counters, "groups_dropped", 1)  # frees its slot under the staleness bound
+        self._pipe.hincrby(self.keys.counters, "groups_dropped_reward", 1)
+        self.groups_dropped += 1
+        self.stats.groups_dropped_reward += 1
+        del self.groups[gid]
+        log.warning("group %d dropped: %d failed scores (first: %s)", gid, len(failed), failed[0])
 
     def _mark_ready(self, group: OpenGroup) -> None:
         gid = group.meta.group_id
@@ -492,8 +513,15 @@ class Hub:
                 self.stats.score_resends += 1
 
     def _dispatch_scores(self, now: float) -> None:
-        for worker in self.reward_workers.values():
-            while self.score_queue and len(worker.inflight) < worker.capacity:
+        # round-robin over the services with credit left, so a burst spreads over all of them
+        open_credit = [w for w in self.reward_workers.values() if len(w.inflight) < w.capacity]
+        while self.score_queue and open_credit:
+            for worker in list(open_credit):
+                if not self.score_queue:
+                    break
+                if len(worker.inflight) >= worker.capacity:
+                    open_credit.remove(worker)
+                    continue
                 gid, index = self.score_queue.popleft()
                 group = self.groups.get(gid)
                 if group is None or group.samples[index].score is not None:
@@ -707,6 +735,7 @@ class Hub:
             "leases_reissued": s.leases_reissued,
             "leases_released": s.leases_released,
             "generators_evicted": s.generators_evicted,
+            "groups_dropped_reward": s.groups_dropped_reward,
             "groups_issued": self.groups_issued,
             "groups_dropped": self.groups_dropped,
             "prompts_truncated": self.source.truncated,
@@ -732,7 +761,13 @@ class Hub:
             staleness = {int(k): int(v) for k, v in self.redis.hgetall(self.keys.staleness).items()}
         except redis.RedisError:
             staleness = {}
-        return {"counters": counters, "gauges": gauges, "rejected": dict(s.rejected), "staleness": staleness}
+        return {
+            "counters": counters,
+            "gauges": gauges,
+            "rejected": dict(s.rejected),
+            "reward_errors": dict(s.reward_errors),
+            "staleness": staleness,
+        }
 
     def _log_stats(self) -> None:
         snap = self.snapshot()

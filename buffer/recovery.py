@@ -72,7 +72,7 @@ def load(hub: Hub) -> None:
     # groups that were fully scored when the hub died become ready now
     for group in list(hub.groups.values()):
         if group.all_scored():
-            hub._mark_ready(group)
+            hub._group_scored(group)
     hub._flush()
     log.info(
         "recovered: v%d, %d open groups, %d leases, %d generators, %d samples to score, issued %d dropped %d",

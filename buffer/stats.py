@@ -27,6 +27,8 @@ class HubStats:
     leases_released: int = 0  # given back by generators (draining, weights behind)
     generators_evicted: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    reward_errors: Counter[str] = field(default_factory=Counter)  # failed scores by reason (timeout, ...)
+    groups_dropped_reward: int = 0  # dropped for a failed score (reward.on_error drop_group)
     # seconds from the start of a turn that took chunks to its Redis write returning (recent turns)
     durable_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
 
@@ -95,6 +97,10 @@ def start_metrics_server(port: int, host: str, snapshot: Callable[[], dict[str, 
             for reason, n in snap["rejected"].items():  # type: ignore[attr-defined]
                 rej.add_metric([reason], n)
             yield rej
+            errs = CounterMetricFamily("flywheel_hub_reward_errors", "failed scores by reason", labels=["reason"])
+            for reason, n in snap.get("reward_errors", {}).items():  # type: ignore[attr-defined]
+                errs.add_metric([reason], n)
+            yield errs
             st = GaugeMetricFamily(
                 "flywheel_hub_served_staleness", "groups served to learners by staleness", labels=["staleness"]
             )

@@ -8,6 +8,7 @@ the shared ones (``run``, ``redis``, ``async``). Importing this module never imp
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -175,20 +176,87 @@ class HubConfig(_Section):
     )
 
 
+class RewardFunctionSpec(_Section):
+    """One reward function of the weighted sum the reward service computes."""
+
+    name: str = Field(
+        description="A built-in (arithmetic, math, exact_match, regex_match, format, length_penalty, length, remote, "
+        "reward_model) or a user function by import path 'pkg.module:fn'."
+    )
+    weight: float = Field(1.0, description="Weight of this function in the total reward.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed on every call.")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_builtin_or_path(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?", v):
+            raise ValueError(f"reward function {v!r} is neither a built-in name nor an import path 'pkg.module:fn'")
+        return v
+
+
 class RewardConfig(_Section):
     """The reward service (flywheel-reward)."""
 
-    function: Literal["exact_match", "length"] = Field(
-        "exact_match",
-        description="Reward function: exact_match (the last number in the response equals metadata 'answer') or length (tokens / max_tokens).",
+    functions: list[RewardFunctionSpec] = Field(
+        default_factory=lambda: [RewardFunctionSpec(name="math")],
+        description="Reward functions, summed with their weights. A flag takes a name "
+        "(--reward.functions arithmetic) or YAML ('[math, {name: format, weight: 0.1}]').",
     )
     tokenizer: str | None = Field(None, description="HF tokenizer for decoding responses; defaults to data.tokenizer.")
-    hub_address: str = Field("tcp://127.0.0.1:5556", description="Hub reward ROUTER address the workers connect to.")
+    hub_address: str = Field("tcp://127.0.0.1:5556", description="Hub reward ROUTER address the service connects to.")
+    workers: int = Field(2, ge=1, le=512, description="Worker processes that run the reward functions.")
+    batch_size: int = Field(32, ge=1, le=65536, description="Most samples in one call of the reward functions.")
+    timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="Deadline of one call; a worker past it is killed and restarted."
+    )
+    on_error: Literal["drop_group", "assign"] = Field(
+        "drop_group",
+        description="A sample whose reward failed (exception, timeout, non-finite): drop its group, or train on it "
+        "with reward.error_reward.",
+    )
+    error_reward: float = Field(0.0, description="Reward of a failed sample when on_error is assign.")
     capacity: int = Field(
         256,
         ge=1,
         le=65536,
-        description="Samples in flight to one worker (its credit at the hub); enough to cover a round trip at full rate.",
+        description="Samples in flight to one service (its credit at the hub); enough to cover a round trip at full rate.",
+    )
+
+    @field_validator("functions", mode="before")
+    @classmethod
+    def _names_are_specs(cls, v: Any) -> Any:
+        v = [v] if isinstance(v, str | dict) else v
+        if isinstance(v, list):
+            v = [{"name": x} if isinstance(x, str) else x for x in v]
+            if not v:
+                raise ValueError("reward.functions needs at least one function, e.g. --reward.functions math")
+        return v
+
+    @field_validator("error_reward")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("reward.error_reward must be finite")
+        return v
+
+
+class RewardModelConfig(_Section):
+    """The reward-model server (flywheel-rm): an HF sequence classifier behind HTTP."""
+
+    model: str | None = Field(
+        None, description="HF AutoModelForSequenceClassification path (num_labels 1); required to serve."
+    )
+    host: str = Field("127.0.0.1", description="Interface the server binds.")
+    port: int = Field(8300, ge=0, le=65535, description="HTTP port (0: a free one, written to rm.state_file).")
+    state_file: str | None = Field(None, description="JSON file the server writes its bound port to once ready.")
+    max_batch: int = Field(64, ge=1, le=65536, description="Most sequences in one forward pass.")
+    batch_wait_ms: float = Field(5.0, ge=0, le=10000, description="How long a forward waits to fill its batch.")
+    max_length: int = Field(2048, ge=8, description="Longer prompt + completion texts are truncated (from the left).")
+    chat_template: bool = Field(
+        False, description="Format (prompt, completion) as a user/assistant chat with the tokenizer's template."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Model dtype (auto: bf16 on GPUs, fp32 on CPUs)."
     )
 
 
@@ -409,6 +477,7 @@ class FlywheelConfig(_Section):
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async", description="Staleness bound.")
     hub: HubConfig = Field(default_factory=HubConfig, description="Rollout hub.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward service.")
+    rm: RewardModelConfig = Field(default_factory=RewardModelConfig, description="Reward-model server.")
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig, description="vLLM generator service.")
     sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight broadcast.")
     algo: AlgoConfig = Field(default_factory=AlgoConfig, description="RL algorithm.")
@@ -538,7 +607,11 @@ def reference(model: type[BaseModel] = FlywheelConfig, prefix: str = "") -> list
             rows.extend(reference(ann, f"{prefix}{key}."))
             continue
         default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
-        type_name = str(ann).replace("typing.", "") if not isinstance(ann, type) else ann.__name__
+        type_name = (
+            str(ann).replace("typing.", "").replace(f"{__name__}.", "") if not isinstance(ann, type) else ann.__name__
+        )
+        if isinstance(default, list) and default and isinstance(default[0], BaseModel):
+            default = [m.model_dump() for m in default]
         bounds = [
             f"{sym} {getattr(m, attr)}"
             for m in field.metadata

@@ -47,7 +47,7 @@ def run_demo(overrides: list[str], steps: int = 12, generators: int = 3, train_s
         str(work / "hub.json"),
         "--hub.stats_interval_s",
         "2",
-        "--reward.function",
+        "--reward.functions",
         "length",
         "--rollout.max_tokens",
         "256",

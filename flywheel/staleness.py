@@ -37,7 +37,7 @@ _NEXT: dict[GroupState, frozenset[GroupState]] = {
     GroupState.ISSUED: frozenset({GroupState.GENERATING}),
     GroupState.GENERATING: frozenset({GroupState.GENERATING, GroupState.COMPLETE}),
     GroupState.COMPLETE: frozenset({GroupState.SCORED}),
-    GroupState.SCORED: frozenset({GroupState.READY}),
+    GroupState.SCORED: frozenset({GroupState.READY, GroupState.DROPPED}),  # dropped: a failed reward
     GroupState.READY: frozenset({GroupState.CONSUMED, GroupState.DROPPED}),
     GroupState.CONSUMED: frozenset(),
     GroupState.DROPPED: frozenset(),

@@ -67,6 +67,33 @@ SIZES = {
 }
 
 
+def model_config(
+    arch: str = "llama", size: str = "tiny", vocab_size: int = 512, hidden: int | None = None, layers: int | None = None
+) -> Any:
+    """The HF config of a preset ``size`` (see SIZES); ``hidden`` / ``layers`` override it."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"unknown arch {arch!r}; choose llama or qwen2")
+    h, n_layers, heads, kv_heads = SIZES[size]
+    hidden = hidden or h
+    return (LlamaConfig if arch == "llama" else Qwen2Config)(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2 if size != "1b" else 5632,
+        num_hidden_layers=layers or n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+    )
+
+
 def build_model(
     out_dir: str | Path,
     vocab_size: int = 512,
@@ -79,36 +106,28 @@ def build_model(
     """A randomly initialised Llama- or Qwen2-shaped causal LM of a preset ``size`` (see SIZES);
     ``hidden`` / ``layers`` override the preset."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
-    h, n_layers, heads, kv_heads = SIZES[size]
-    hidden = hidden or h
-    layers = layers or n_layers
+    config = model_config(arch, size, vocab_size, hidden, layers)
     torch.manual_seed(seed)
-    common: dict[str, Any] = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2 if size != "1b" else 5632,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=2048,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-        tie_word_embeddings=False,
-    )
-    model: LlamaForCausalLM | Qwen2ForCausalLM
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        raise ValueError(f"unknown arch {arch!r}; choose llama or qwen2")
+    model = AutoModelForCausalLM.from_config(config)
     out = Path(out_dir)
     model.save_pretrained(out)
+    return out
+
+
+def build_reward_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
+    """A randomly initialised Llama sequence classifier with one output (a reward model) and
+    the tokenizer, in one directory: what ``flywheel-rm`` serves."""
+    import torch
+    from transformers import LlamaForSequenceClassification
+
+    config = model_config("llama", size)
+    config.num_labels = 1
+    torch.manual_seed(seed)
+    out = Path(out_dir)
+    build_tokenizer(out)
+    LlamaForSequenceClassification(config).save_pretrained(out)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Entry point of a reward worker: ``flywheel-reward`` / ``python -m reward_service``."""
+"""Entry point of the reward service: ``flywheel-reward`` / ``python -m reward_service``."""
 
 from __future__ import annotations
 
@@ -14,37 +14,43 @@ from flywheel.logs import setup_logging
 def main(argv: list[str] | None = None) -> int:
     cfg = service_config(
         "flywheel-reward",
-        "Run one reward worker connected to the hub (reward.hub_address).",
+        "Run the reward service: a pool of reward workers fed by the hub (reward.hub_address).",
         sys.argv[1:] if argv is None else argv,
     )
     if isinstance(cfg, int):
         return cfg
     setup_logging("reward", cfg.run.log_level)
 
-    from reward_service.functions import RewardFn, exact_match_reward, length_reward
-    from reward_service.worker import RewardWorker
+    from reward_service.pool import PoolError, WorkerPool
+    from reward_service.registry import resolve
+    from reward_service.scoring import FunctionSpec
+    from reward_service.service import RewardService
 
-    fn: RewardFn
-    if cfg.reward.function == "length":
-        fn = length_reward(cfg.rollout.max_tokens)
-    else:
-        path = cfg.reward.tokenizer or cfg.data.tokenizer
-        if path is None:
-            print(
-                "flywheel-reward: exact_match decodes responses: set reward.tokenizer or data.tokenizer",
-                file=sys.stderr,
-            )
-            return 2
-        from transformers import AutoTokenizer
-
-        fn = exact_match_reward(AutoTokenizer.from_pretrained(path))
-    worker = RewardWorker(
-        cfg.reward.hub_address, f"reward-{socket.gethostname()}-{os.getpid()}", cfg.reward.capacity, fn
+    specs = [FunctionSpec(s.name, s.weight, dict(s.kwargs)) for s in cfg.reward.functions]
+    tokenizer = cfg.reward.tokenizer or cfg.data.tokenizer
+    try:  # fail here, with the fix, rather than in every worker
+        functions = [resolve(s.name) for s in specs]
+    except ValueError as err:
+        print(f"flywheel-reward: {err}", file=sys.stderr)
+        return 2
+    if tokenizer is None and any(fn.needs_text for fn in functions):
+        print(
+            "flywheel-reward: these reward functions read text: set reward.tokenizer or data.tokenizer", file=sys.stderr
+        )
+        return 2
+    pool = WorkerPool(
+        cfg.reward.workers, specs, tokenizer, {"max_tokens": cfg.rollout.max_tokens}, cfg.reward.timeout_s
     )
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
-    signal.signal(signal.SIGINT, lambda *_: worker.stop())
-    worker.run()
-    worker.close()
+    service = RewardService(cfg.reward, f"reward-{socket.gethostname()}-{os.getpid()}", pool)
+    signal.signal(signal.SIGTERM, lambda *_: service.stop())
+    signal.signal(signal.SIGINT, lambda *_: service.stop())
+    try:
+        service.run()
+    except PoolError as err:
+        print(f"flywheel-reward: {err}", file=sys.stderr)
+        return 1
+    finally:
+        service.close()
     return 0
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -143,8 +145,10 @@ class Cluster:
             "reward_service",
             [
                 *self.base,
-                "--reward.function",
+                "--reward.functions",
                 "length",
+                "--reward.workers",
+                "1",
                 *self._hub_args,
                 *overrides,
                 "--reward.hub_address",
@@ -155,6 +159,17 @@ class Cluster:
         )
         self.services.append(svc)
         return svc
+
+    def metrics(self) -> dict[str, float]:
+        """The hub's Prometheus metrics: {'flywheel_hub_scores_in_total': 12.0, ...}."""
+        url = f"http://127.0.0.1:{self.ports['metrics_port']}/metrics"
+        body = urllib.request.urlopen(url, timeout=5).read().decode()
+        out = {}
+        for line in body.splitlines():
+            m = re.match(r"^(flywheel_hub_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+        return out
 
     def stop(self) -> None:
         for svc in reversed(self.services):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import time
-import urllib.request
 
 import msgspec
 import zmq
@@ -26,15 +25,7 @@ def pump_until(gen: HandGenerator, predicate, what: str, timeout_s: float = 15.0
 
 
 def metrics(cluster: Cluster) -> dict[str, float]:
-    body = (
-        urllib.request.urlopen(f"http://127.0.0.1:{cluster.ports['metrics_port']}/metrics", timeout=5).read().decode()
-    )
-    out = {}
-    for line in body.splitlines():
-        m = re.match(r"^(flywheel_hub_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
-        if m:
-            out[m.group(1)] = float(m.group(2))
-    return out
+    return cluster.metrics()
 
 
 def rejected(cluster: Cluster, reason: str) -> float:

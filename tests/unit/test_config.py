@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +127,24 @@ def test_hub_start_errors_say_what_to_fix(tmp_path: Path) -> None:
     assert out.returncode == 2 and "cannot reach Redis at redis://127.0.0.1:1/0" in out.stderr
     out = run("--async.max_staleness", "-3")
     assert out.returncode == 2 and "`async.max_staleness`" in out.stderr
+
+
+def test_reward_functions_take_names_lists_and_specs_and_reject_garbage() -> None:
+    assert [f.name for f in load_config(["--reward.functions", "arithmetic"]).reward.functions] == ["arithmetic"]
+    fns = load_config(["--reward.functions", "[math, {name: 'pkg.mod:fn', weight: 0.5, kwargs: {k: 1}}]"])
+    assert [(f.name, f.weight, f.kwargs) for f in fns.reward.functions] == [
+        ("math", 1.0, {}),
+        ("pkg.mod:fn", 0.5, {"k": 1}),
+    ]
+    for bad, hint in [
+        ("[]", "at least one function"),
+        ("'os.system(1)'", "neither a built-in name nor an import path"),
+        ("[{name: math, wieght: 2}]", "wieght"),
+        ("[{weight: 2}]", "reward.functions.0.name"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(hint)):
+            load_config(["--reward.functions", bad])
+    with pytest.raises(ConfigError, match="reward.on_error"):
+        load_config(["--reward.on_error", "ignore"])
+    with pytest.raises(ConfigError, match="finite"):
+        load_config(["--reward.error_reward", ".nan"])

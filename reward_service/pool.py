@@ -1,0 +1,160 @@
+"""The worker pool: reward functions run in child processes the service can kill.
+
+A thread cannot be stopped, so a reward function that hangs (or spins in C code, or segfaults)
+would take its worker with it. Each worker is a spawned process with a pipe: the service sends it
+a batch, and a worker past ``timeout_s`` is killed and replaced. CPU-bound rule rewards also
+scale with the number of workers, which a thread pool would not (the GIL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing as mp
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from reward_service.scoring import FunctionSpec, Item, Outcome, Scorer
+
+log = logging.getLogger(__name__)
+
+
+class PoolError(RuntimeError):
+    """The pool cannot work at all (a worker failed to start): the service must stop."""
+
+
+@dataclass
+class Worker:
+    index: int
+    proc: Any  # multiprocessing SpawnProcess
+    conn: Connection
+    started_at: float
+    ready: bool = False
+    batch: list[Item] = field(default_factory=list)
+    sent_at: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.batch)
+
+
+Result = tuple[list[Item], list[Outcome] | str]  # outcomes, or why the whole batch failed
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        size: int,
+        specs: list[FunctionSpec],
+        tokenizer: str | None,
+        context: dict[str, Any],
+        timeout_s: float,
+        start_timeout_s: float = 180.0,
+    ) -> None:
+        self._args = (specs, tokenizer, context)
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        self._mp = mp.get_context("spawn")  # no fork: the parent holds ZeroMQ sockets and threads
+        self.restarts = 0
+        self.workers = [self._spawn(i) for i in range(size)]
+
+    def _spawn(self, index: int) -> Worker:
+        parent, child = self._mp.Pipe()
+        proc = self._mp.Process(target=_worker_main, args=(child, *self._args), name=f"reward-worker-{index}")
+        proc.daemon = True
+        proc.start()
+        child.close()
+        return Worker(index, proc, parent, time.monotonic())
+
+    def filenos(self) -> list[int]:
+        return [w.conn.fileno() for w in self.workers]
+
+    def idle(self) -> list[Worker]:
+        return [w for w in self.workers if w.ready and not w.busy]
+
+    def ready_count(self) -> int:
+        return sum(w.ready for w in self.workers)
+
+    def busy_count(self) -> int:
+        return sum(w.busy for w in self.workers)
+
+    def submit(self, worker: Worker, items: list[Item]) -> None:
+        worker.batch, worker.sent_at = items, time.monotonic()
+        worker.conn.send(items)
+
+    def collect(self) -> list[Result]:
+        """Finished batches, plus batches whose worker died or ran past the deadline (their
+        worker is replaced). Raises PoolError when a worker cannot start."""
+        results: list[Result] = []
+        now = time.monotonic()
+        for i, w in enumerate(self.workers):
+            failure = None
+            try:
+                while w.conn.poll():
+                    msg = w.conn.recv()
+                    if msg == "ready":
+                        w.ready = True
+                    elif isinstance(msg, tuple) and msg[0] == "init_error":
+                        raise PoolError(f"reward worker failed to start: {msg[1]}")
+                    else:
+                        results.append((w.batch, msg))
+                        w.batch = []
+            except (EOFError, OSError):
+                failure = f"crash: worker exited with code {w.proc.exitcode}"
+            if failure is None and w.busy and now - w.sent_at > self.timeout_s:
+                failure = f"timeout: no answer within reward.timeout_s = {self.timeout_s:g}s"
+            if failure is None and not w.ready and now - w.started_at > self.start_timeout_s:
+                raise PoolError(f"reward worker did not start within {self.start_timeout_s:g}s")
+            if failure is not None:
+                log.warning("reward worker %d: %s (%d samples); restarting it", w.index, failure, len(w.batch))
+                if w.batch:
+                    results.append((w.batch, failure))
+                self._kill(w)
+                self.workers[i] = self._spawn(w.index)
+                self.restarts += 1
+        return results
+
+    def _kill(self, w: Worker) -> None:
+        if w.proc.is_alive():
+            w.proc.kill()
+        w.proc.join(timeout=5)
+        w.conn.close()
+
+    def close(self) -> None:
+        for w in self.workers:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                w.conn.send(None)
+        deadline = time.monotonic() + 2
+        for w in self.workers:
+            w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            self._kill(w)
+
+
+def _worker_main(conn: Connection, specs: list[FunctionSpec], tokenizer: str | None, context: dict[str, Any]) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the service decides
+    try:
+        scorer = Scorer(specs, tokenizer, context)
+    except Exception as err:
+        conn.send(("init_error", f"{type(err).__name__}: {err}"))
+        return
+    conn.send("ready")
+    while True:
+        try:
+            items = conn.recv()
+        except (EOFError, OSError):
+            return  # the service is gone
+        if items is None:
+            return
+        conn.send(scorer.score(items))
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when the service dies, even by kill -9, so a hung reward
+    function never outlives it."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -1,0 +1,78 @@
+"""Reward functions by name: the built-ins register here; anything else loads by import path.
+
+A reward function scores a batch. Its signature::
+
+    def my_reward(prompts: list[str], completions: list[str], metadata: list[dict], **kwargs) -> list[float]:
+        return [1.0 if c.strip() == m["answer"] else 0.0 for c, m in zip(completions, metadata)]
+
+``async def`` works the same way. ``kwargs`` holds the spec's ``kwargs`` from the config plus
+``prompt_ids`` and ``completion_ids`` (lists of token-id lists) and ``finish_reasons``, so take
+``**kwargs`` and ignore what you do not need. Return one entry per sample: a float, or a dict
+with a ``"reward"`` key and any other float entries (logged as the reward's breakdown).
+
+Use it with ``--reward.functions my_pkg.my_module:my_reward`` (the module must be importable by
+the reward service: installed, or on ``PYTHONPATH``). Nothing else a config names is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+BatchFn = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    name: str
+    fn: BatchFn
+    needs_text: bool = True  # False: scores token ids only (no tokenizer needed)
+
+
+_BUILTINS: dict[str, RewardFunction] = {}
+
+
+def register(name: str, needs_text: bool = True) -> Callable[[BatchFn], BatchFn]:
+    """Decorator: make ``fn`` a built-in reward function called ``name``."""
+
+    def add(fn: BatchFn) -> BatchFn:
+        _BUILTINS[name] = RewardFunction(name, fn, needs_text)
+        return fn
+
+    return add
+
+
+def builtin_names() -> list[str]:
+    _load_builtins()
+    return sorted(_BUILTINS)
+
+
+def resolve(name: str) -> RewardFunction:
+    """A built-in by name, or a user function by ``pkg.module:fn``; a clear error otherwise."""
+    _load_builtins()
+    if ":" not in name:
+        if name not in _BUILTINS:
+            raise ValueError(
+                f"reward.functions: unknown built-in {name!r}; choose one of {builtin_names()} "
+                "or give a user function as 'pkg.module:fn'"
+            )
+        return _BUILTINS[name]
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(
+            f"reward.functions: cannot import {module_name!r} for {name!r} ({err}); install it or add its "
+            "directory to PYTHONPATH"
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward.functions: {module_name!r} has no function {attr!r}")
+    return RewardFunction(name, fn)
+
+
+def _load_builtins() -> None:
+    if not _BUILTINS:
+        importlib.import_module("reward_service.builtins")

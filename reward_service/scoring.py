@@ -1,0 +1,157 @@
+"""Scoring a batch of samples with the configured reward functions (inside a pool worker).
+
+Every failure becomes a per-sample error, never an exception out of ``Scorer.score``:
+
+- ``exception``: a function raised. A batch that raises is scored again one sample at a time,
+  so one bad sample does not fail its neighbours (unless the function raised ``BatchError``).
+- ``bad_output``: a function returned the wrong number of rewards or a non-number.
+- ``non_finite``: a reward is NaN or infinite.
+
+Timeouts and crashes are the pool's to detect: it kills the worker (``pool.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import math
+import numbers
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reward_service.builtins import BatchError
+from reward_service.registry import RewardFunction, resolve
+
+
+@dataclass
+class Item:
+    """One sample to score, as a worker receives it."""
+
+    key: tuple[int, int]  # (group id, sample index)
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    finish_reason: str
+    metadata: dict[str, Any]
+
+
+@dataclass
+class Outcome:
+    reward: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # "<reason>: <function>: <detail>"
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    """A picklable copy of one ``reward.functions`` entry (workers are spawned processes)."""
+
+    name: str
+    weight: float
+    kwargs: dict[str, Any]
+
+
+class Scorer:
+    def __init__(self, specs: list[FunctionSpec], tokenizer: str | None, context: dict[str, Any]) -> None:
+        self.functions: list[tuple[RewardFunction, FunctionSpec]] = [(resolve(s.name), s) for s in specs]
+        self.context = context  # kwargs every function gets unless its spec overrides them (max_tokens)
+        needs_text = any(fn.needs_text for fn, _ in self.functions)
+        if needs_text and tokenizer is None:
+            names = [s.name for fn, s in self.functions if fn.needs_text]
+            raise ValueError(f"reward functions {names} read text: set reward.tokenizer or data.tokenizer")
+        self.decode: Any = load_decoder(tokenizer) if needs_text and tokenizer else None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def score(self, items: list[Item]) -> list[Outcome]:
+        outcomes = [Outcome() for _ in items]
+        if not items:
+            return outcomes
+        batch = self._batch(items)
+        for fn, spec in self.functions:
+            rewards = self._call(fn, spec, batch, list(range(len(items))))
+            for out, r in zip(outcomes, rewards, strict=True):
+                if out.error is not None:
+                    continue
+                if isinstance(r, str):
+                    out.error = r
+                    continue
+                value, parts = r
+                out.reward += spec.weight * value
+                out.breakdown[spec.name] = value
+                for k, v in parts.items():
+                    out.breakdown[f"{spec.name}/{k}"] = v
+        return outcomes
+
+    def _batch(self, items: list[Item]) -> dict[str, Any]:
+        decode = self.decode or (lambda ids: [""] * len(ids))
+        prompt_ids = [it.prompt_ids for it in items]
+        completion_ids = [it.completion_ids for it in items]
+        return {
+            "prompts": decode(prompt_ids),
+            "completions": decode(completion_ids),
+            "metadata": [dict(it.metadata) for it in items],
+            "prompt_ids": prompt_ids,
+            "completion_ids": completion_ids,
+            "finish_reasons": [it.finish_reason for it in items],
+        }
+
+    def _call(
+        self, fn: RewardFunction, spec: FunctionSpec, batch: dict[str, Any], rows: list[int]
+    ) -> list[tuple[float, dict[str, float]] | str]:
+        """Rewards for ``rows`` of the batch: (reward, breakdown) or an error string each."""
+        sub = {k: [v[i] for i in rows] for k, v in batch.items()}
+        kwargs = {**self.context, **spec.kwargs}
+        for k in ("prompt_ids", "completion_ids", "finish_reasons"):
+            kwargs[k] = sub[k]
+        try:
+            result = fn.fn(sub["prompts"], sub["completions"], sub["metadata"], **kwargs)
+            if inspect.isawaitable(result):
+                result = self._run(result)
+        except BatchError as err:
+            return [f"exception: {spec.name}: {err}"] * len(rows)
+        except Exception as err:
+            if len(rows) > 1:  # find the sample(s) at fault; the others still get their rewards
+                return [r for i in rows for r in self._call(fn, spec, batch, [i])]
+            return [f"exception: {spec.name}: {type(err).__name__}: {err}"]
+        if not isinstance(result, list | tuple) or len(result) != len(rows):
+            got = f"{len(result)} values" if isinstance(result, list | tuple) else type(result).__name__
+            return [f"bad_output: {spec.name}: returned {got} for {len(rows)} samples"] * len(rows)
+        return [_one(spec.name, r) for r in result]
+
+    def _run(self, awaitable: Any) -> Any:
+        if self._loop is None:  # one loop for the worker's life: clients and sessions may cache it
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(awaitable)
+
+
+def load_decoder(path: str) -> Any:
+    """ids lists -> texts, special tokens skipped. A local fast tokenizer loads with
+    ``tokenizers`` alone (tens of milliseconds: workers restart after a timeout); anything else
+    goes through transformers' AutoTokenizer (which imports torch: seconds)."""
+    config_file, tokenizer_file = Path(path) / "tokenizer_config.json", Path(path) / "tokenizer.json"
+    cleanup = config_file.is_file() and json.loads(config_file.read_text()).get("clean_up_tokenization_spaces")
+    if tokenizer_file.is_file() and not cleanup:
+        from tokenizers import Tokenizer
+
+        fast = Tokenizer.from_file(str(tokenizer_file))
+        return lambda ids: fast.decode_batch(ids, skip_special_tokens=True)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    return lambda ids: tok.batch_decode(ids, skip_special_tokens=True)
+
+
+def _one(name: str, r: Any) -> tuple[float, dict[str, float]] | str:
+    parts: dict[str, float] = {}
+    if isinstance(r, dict):
+        if "reward" not in r:
+            return f"bad_output: {name}: a dict reward needs a 'reward' key, got {sorted(r)}"
+        parts = {str(k): v for k, v in r.items() if k != "reward"}
+        r = r["reward"]
+    values = [r, *parts.values()]
+    if any(isinstance(v, bool) or not isinstance(v, numbers.Real) for v in values):
+        return f"bad_output: {name}: rewards must be numbers, got {r!r}"
+    if not all(math.isfinite(v) for v in values):
+        return f"non_finite: {name}: {r!r}"
+    return float(r), {k: float(v) for k, v in parts.items()}

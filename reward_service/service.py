@@ -1,0 +1,162 @@
+"""The reward service: takes completed samples from the hub, scores them in a worker pool,
+answers with Scores.
+
+The hub hands the service at most ``reward.capacity`` samples at a time (credit-based),
+re-sends what is not answered in time, and forgets a service that stops re-registering. Here,
+samples wait in a queue and go to idle workers in batches of up to ``reward.batch_size``. A
+batch that timed out or crashed its worker is retried one sample at a time, so only the culprit
+gets the error; every failure is answered as a Score with an error reason, never dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter, deque
+
+import numpy as np
+import zmq
+
+from flywheel.config import RewardConfig
+from flywheel.wire import Decoder, RewardRegister, Score, ScoreRequest, WireError, encode, unpack_i32
+from reward_service.pool import WorkerPool
+from reward_service.scoring import Item, Outcome
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 10.0
+
+
+class RewardService:
+    def __init__(self, rcfg: RewardConfig, service_id: str, pool: WorkerPool, heartbeat_s: float = 1.0) -> None:
+        self.rcfg = rcfg
+        self.service_id = service_id
+        self.pool = pool
+        self.heartbeat_s = heartbeat_s
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, service_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(rcfg.hub_address)
+        self.decoder = Decoder(ScoreRequest)
+        self.queue: deque[Item] = deque()  # scored in batches
+        self.solo: deque[Item] = deque()  # from a batch that hung or crashed: scored alone
+        self.scored = 0
+        self.errors: Counter[str] = Counter()
+        self._stop = False
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def run(self, max_seconds: float | None = None) -> None:
+        start = time.monotonic()
+        last_hello = last_stats = 0.0
+        while not self._stop and (max_seconds is None or time.monotonic() - start < max_seconds):
+            now = time.monotonic()
+            # announce ourselves only once a worker can score: until then the hub gives work to others
+            if now - last_hello >= self.heartbeat_s and self.pool.ready_count():
+                last_hello = now
+                self.sock.send(encode(RewardRegister(worker_id=self.service_id, capacity=self.rcfg.capacity)))
+            if now - last_stats >= STATS_INTERVAL_S:
+                last_stats = now
+                self._log_stats()
+            self._wait(100)
+            self._receive()
+            for items, result in self.pool.collect():
+                self._answer(items, result)
+            self._dispatch()
+        self._finish_in_flight(deadline_s=min(self.rcfg.timeout_s, 10.0))
+        self._log_stats()
+
+    def _wait(self, timeout_ms: int) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        for fd in self.pool.filenos():
+            poller.register(fd, zmq.POLLIN)
+        poller.poll(timeout_ms)
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                payload = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                req = self.decoder.decode(payload)
+            except WireError as err:
+                log.warning("bad message from hub: %s", err)
+                continue
+            assert isinstance(req, ScoreRequest)
+            self.queue.append(
+                Item(
+                    key=(req.group_id, req.sample),
+                    prompt_ids=np.asarray(unpack_i32(req.prompt_tokens)).tolist(),
+                    completion_ids=np.asarray(unpack_i32(req.response_tokens)).tolist(),
+                    finish_reason=req.finish_reason,
+                    metadata=dict(req.metadata),
+                )
+            )
+
+    def _dispatch(self) -> None:
+        idle = self.pool.idle()
+        while idle and self.solo:
+            self.pool.submit(idle.pop(), [self.solo.popleft()])
+        if not idle or not self.queue:
+            return
+        # spread what is queued over the idle workers rather than filling one batch first
+        share = min(self.rcfg.batch_size, math.ceil(len(self.queue) / len(idle)))
+        for worker in idle:
+            if not self.queue:
+                break
+            self.pool.submit(worker, [self.queue.popleft() for _ in range(min(share, len(self.queue)))])
+
+    def _answer(self, items: list[Item], result: list[Outcome] | str) -> None:
+        if isinstance(result, str):
+            if len(items) > 1:  # which sample hung or crashed the worker? score each alone
+                self.solo.extend(items)
+                return
+            result = [Outcome(error=result)]  # "timeout: ..." or "crash: ..."
+        for item, out in zip(items, result, strict=True):
+            reward = out.reward
+            if out.error is not None:
+                self.errors[out.error.split(":", 1)[0]] += 1
+                reward = self.rcfg.error_reward
+                log.warning("reward failed for (group %d, sample %d): %s", *item.key, out.error)
+            self.scored += 1
+            self.sock.send(
+                encode(
+                    Score(
+                        worker_id=self.service_id,
+                        group_id=item.key[0],
+                        sample=item.key[1],
+                        reward=reward,
+                        breakdown=out.breakdown,
+                        error=out.error,
+                    )
+                )
+            )
+
+    def _finish_in_flight(self, deadline_s: float) -> None:
+        """On stop: answer what the workers are scoring now (the hub re-sends the queued rest)."""
+        deadline = time.monotonic() + deadline_s
+        while self.pool.busy_count() and time.monotonic() < deadline:
+            self._wait(50)
+            for items, result in self.pool.collect():
+                if not isinstance(result, str):
+                    self._answer(items, result)
+
+    def _log_stats(self) -> None:
+        log.info(
+            "scored %d | errors %s | queued %d, in workers %d | workers ready %d/%d, restarts %d",
+            self.scored,
+            dict(self.errors) or "none",
+            len(self.queue) + len(self.solo),
+            self.pool.busy_count(),
+            self.pool.ready_count(),
+            len(self.pool.workers),
+            self.pool.restarts,
+        )
+
+    def close(self) -> None:
+        self.pool.close()
+        self.sock.close(linger=1000)  # the last Scores still go out

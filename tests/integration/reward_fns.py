@@ -1,0 +1,42 @@
+"""User reward functions loaded by import path (tests.integration.reward_fns:NAME) in the
+reward-service tests: each misbehaves in one known way."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+
+def parity(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any) -> list[dict]:
+    """1 when the completion has an even number of tokens; the worker's pid in the breakdown.
+    Takes 2 ms a sample, so that parallel workers matter."""
+    time.sleep(0.002 * len(completions))
+    return [{"reward": float(len(ids) % 2 == 0), "pid": float(os.getpid())} for ids in kwargs["completion_ids"]]
+
+
+async def slow_parity(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
+    await asyncio.sleep(0.01)
+    return [float(len(ids) % 2 == 0) for ids in kwargs["completion_ids"]]
+
+
+def _culprit(ids: list[int]) -> bool:
+    return len(ids) % 5 == 0
+
+
+def raises_on_some(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
+    if any(_culprit(ids) for ids in kwargs["completion_ids"]):
+        raise RuntimeError("this sample breaks the reward function")
+    return [1.0] * len(completions)
+
+
+def hangs_on_some(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
+    if any(_culprit(ids) for ids in kwargs["completion_ids"]):
+        while True:  # a pure-Python spin: no thread could stop it, only killing the worker does
+            time.sleep(0)
+    return [1.0] * len(completions)
+
+
+def nan_on_some(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
+    return [float("nan") if _culprit(ids) else 1.0 for ids in kwargs["completion_ids"]]

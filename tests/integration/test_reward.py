@@ -1,0 +1,200 @@
+"""The reward service as real processes against a real hub fed by simulated generators: user
+functions by import path, parallel services and workers, functions that raise, return NaN or
+hang, and the reward-model server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from flywheel.hub_client import BatchClient, RolloutGroup
+from flywheel.procs import Service, wait_for_state_file
+from flywheel.staleness import StalenessPolicy
+from flywheel.tiny import build_reward_model
+from tests.conftest import ROOT, Cluster, wait_until
+
+FNS = "tests.integration.reward_fns"
+
+
+HUB = ("--data.n_samples_per_prompt", "4", "--async.groups_per_step", "4", "--hub.score_timeout_s", "60")
+
+
+def start_hub_and_generator(cluster: Cluster, *overrides: str) -> None:
+    cluster.start_hub(*HUB, *overrides)  # a score_timeout_s that long: a lost score would show as a resend
+    cluster.start_simgen("sim0", "--min-len", "4", "--max-len", "40", "--capacity", "4")
+
+
+def settle(cluster: Cluster, timeout_s: float = 60) -> dict[str, float]:
+    """Wait until every completed sample has been answered; return the hub's metrics."""
+
+    def done() -> dict[str, float] | None:
+        m = cluster.metrics()
+        done = m["flywheel_hub_samples_completed_total"] > 0 and m["flywheel_hub_scores_pending"] == 0
+        return m if done else None
+
+    return wait_until(done, timeout_s, "every completed sample scored", poll_s=0.2)
+
+
+def claim_all(cluster: Cluster) -> list[RolloutGroup]:
+    client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(100, 1))
+    n = client.redis.zcard(client.keys.ready)
+    return client.claim(n, 0, timeout_s=5).groups if n else []
+
+
+def test_parallel_services_and_workers_score_every_sample_exactly_once(cluster: Cluster) -> None:
+    cluster.start_hub(*HUB, "--async.max_staleness", "12", "--data.epochs", "1")
+    for _ in range(2):
+        cluster.start_reward("--reward.functions", f"{FNS}:parity", "--reward.workers", "2", "--reward.batch_size", "4")
+    wait_until(lambda: cluster.metrics()["flywheel_hub_reward_workers"] == 2, 60, "both services registered")
+    time.sleep(1)  # their second workers too
+    for i in range(2):
+        cluster.start_simgen(f"sim{i}", "--min-len", "4", "--max-len", "40", "--capacity", "4", "--seed", str(i))
+    # 52 groups of 4 (the staleness bound at version 0) ... then generation stops
+    wait_until(lambda: cluster.metrics()["flywheel_hub_groups_ready_total"] >= 52, 120, "52 groups ready", poll_s=0.3)
+    m = settle(cluster)
+    assert m["flywheel_hub_scores_in_total"] == m["flywheel_hub_samples_completed_total"] == 52 * 4
+    assert m.get('flywheel_hub_rejected_total{reason="unexpected_score"}', 0) == 0  # nothing scored twice
+    assert m["flywheel_hub_score_resends_total"] == 0  # nothing lost and re-sent
+    assert m["flywheel_hub_reward_workers"] == 2
+    groups = claim_all(cluster)
+    assert len(groups) == 52
+    pids = set()
+    for g in groups:
+        for s in g.samples:
+            assert s.reward_error is None and s.reward == float(len(s.tokens) % 2 == 0)
+            pids.add(s.reward_breakdown[f"{FNS}:parity/pid"])
+    assert len(pids) >= 3, f"work spread over the 4 worker processes of 2 services, got {len(pids)}"
+
+
+def test_raising_and_nan_rewards_are_errors_with_the_fixed_reward(cluster: Cluster) -> None:
+    start_hub_and_generator(cluster, "--reward.on_error", "assign", "--reward.error_reward", "-1")
+    cluster.start_reward(
+        "--reward.functions",
+        f"[{FNS}:raises_on_some, {FNS}:nan_on_some]",
+        "--reward.on_error",
+        "assign",
+        "--reward.error_reward",
+        "-1",
+    )
+    wait_until(lambda: cluster.metrics()["flywheel_hub_groups_ready_total"] >= 4, 60, "4 groups ready")
+    m = settle(cluster)
+    assert m["flywheel_hub_scores_in_total"] == m["flywheel_hub_samples_completed_total"]
+    assert m['flywheel_hub_reward_errors_total{reason="exception"}'] >= 1
+    samples = [s for g in claim_all(cluster) for s in g.samples]
+    for s in samples:
+        culprit = len(s.tokens) % 5 == 0
+        assert (s.reward_error is not None) == culprit
+        assert s.reward == (-1.0 if culprit else 2.0)
+        if culprit:
+            assert s.reward_error.startswith("exception: ") and "breaks the reward" in s.reward_error
+    assert any(len(s.tokens) % 5 == 0 for s in samples), "no culprit sample: nothing was tested"
+
+
+def test_a_hanging_function_is_killed_and_only_its_groups_are_dropped(cluster: Cluster) -> None:
+    start_hub_and_generator(cluster, "--async.max_staleness", "1")
+    reward = cluster.start_reward(
+        "--reward.functions",
+        f"{FNS}:hangs_on_some",
+        "--reward.workers",
+        "2",
+        "--reward.batch_size",
+        "8",
+        "--reward.timeout_s",
+        "2",
+    )
+
+    def progress() -> bool:
+        m = cluster.metrics()
+        return m["flywheel_hub_groups_ready_total"] >= 4 and m["flywheel_hub_groups_dropped_reward_total"] >= 2
+
+    wait_until(progress, 120, "4 groups ready and 2 dropped for a hung reward", poll_s=0.3)
+    cluster.services[1].stop()  # the generator: what it finished must now all be answered
+    m = settle(cluster, timeout_s=60)
+    assert m["flywheel_hub_scores_in_total"] == m["flywheel_hub_samples_completed_total"]
+    assert m['flywheel_hub_reward_errors_total{reason="timeout"}'] >= 2
+    assert m.get('flywheel_hub_reward_errors_total{reason="exception"}', 0) == 0
+    dropped, ready = m["flywheel_hub_groups_dropped_reward_total"], m["flywheel_hub_groups_ready_total"]
+    # a dropped group frees its place under the staleness bound: nothing is stuck or lost
+    assert ready + dropped + m["flywheel_hub_open_groups"] == m["flywheel_hub_groups_issued_total"]
+    groups = claim_all(cluster)
+    assert len(groups) == ready
+    assert all(s.reward_error is None and s.reward == 1.0 for g in groups for s in g.samples)
+    assert reward.alive() and "restarting it" in reward.log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_reward_model(tmp_path_factory.mktemp("rm"))
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(req, timeout=30).read())
+
+
+def test_reward_model_server_batches_and_serves_the_reward_service(cluster: Cluster, reward_model_dir: Path) -> None:
+    state = cluster.tmp / "rm.json"
+    rm = Service(
+        "rm",
+        "reward_service.rm_server",
+        [
+            "--rm.model",
+            str(reward_model_dir),
+            "--rm.port",
+            "0",
+            "--rm.state_file",
+            str(state),
+            "--rm.batch_wait_ms",
+            "300",
+        ],
+        cluster.tmp,
+        env={"PYTHONPATH": str(ROOT)},
+    )
+    cluster.services.append(rm)
+    url = f"http://127.0.0.1:{wait_for_state_file(state, rm, timeout_s=90)['port']}"
+
+    # a padded batch scores each text as it would alone
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    prompts = ["What is 3 + 5? Answer:", "What is 1 + 1? Answer:", "What is 9 + 9? Answer:"]
+    completions = [" 8", " 2. Let me think step by step: 1 + 1 = 2.", " 17"]
+    got = post(f"{url}/score", {"prompts": prompts, "completions": completions})["rewards"]
+    tok = AutoTokenizer.from_pretrained(reward_model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    with torch.inference_mode():
+        want = [
+            model(**tok(p + c, return_tensors="pt")).logits[0, 0].item()
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+    assert got == pytest.approx(want, abs=1e-4)
+    assert len(set(got)) == 3
+
+    # concurrent requests share forward passes
+    before = json.loads(urllib.request.urlopen(f"{url}/health", timeout=5).read())
+    threads = [
+        threading.Thread(target=post, args=(f"{url}/score", {"prompts": prompts, "completions": completions}))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    after = json.loads(urllib.request.urlopen(f"{url}/health", timeout=5).read())
+    assert after["sequences"] - before["sequences"] == 12
+    assert after["forwards"] - before["forwards"] < 4
+    with pytest.raises(urllib.error.HTTPError, match="400"):
+        post(f"{url}/score", {"prompts": ["a"], "completions": [1]})
+
+    # the reward service scores through it (the remote protocol)
+    start_hub_and_generator(cluster)
+    cluster.start_reward("--reward.functions", f"[{{name: reward_model, kwargs: {{url: {url}/score}}}}]")
+    wait_until(lambda: cluster.metrics()["flywheel_hub_groups_ready_total"] >= 2, 60, "2 groups ready")
+    samples = [s for g in claim_all(cluster) for s in g.samples]
+    assert samples and all(s.reward_error is None and "reward_model" in s.reward_breakdown for s in samples)
+    assert len({s.reward for s in samples}) > 1

@@ -1,0 +1,224 @@
+"""Reward functions on known cases, the scorer's error handling, and remote endpoints that are
+slow, down, flaky or answer garbage (a real HTTP server on a free port)."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from reward_service import builtins as b
+from reward_service.registry import builtin_names, resolve
+from reward_service.scoring import FunctionSpec, Item, Scorer
+
+META = [{"answer": "8"}]
+
+
+def test_arithmetic_takes_the_first_integer() -> None:
+    got = b.arithmetic([""] * 4, [" 8", " 8 + 1 = 9", " 9, no 8", " eight"], META * 4)
+    assert [g["reward"] for g in got] == [1.0, 1.0, 0.0, 0.0]
+    assert [g["format"] for g in got] == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_math_verifies_symbolically() -> None:
+    completions = ["so $\\boxed{\\frac{1}{2}}$", "the answer is 0.5", "$\\boxed{0.25}$", "no idea"]
+    assert b.math_answer([""] * 4, completions, [{"answer": "1/2"}] * 4) == [1.0, 1.0, 0.0, 0.0]
+    assert b.math_answer([""], ["$x^2+2x+1$"], [{"answer": "(x+1)^2"}]) == [1.0]
+
+
+def test_exact_match_regex_match_and_format() -> None:
+    assert b.exact_match([""] * 3, ["it is 8", "8 or 9", "  8 "], META * 3) == [1.0, 0.0, 1.0]
+    assert b.exact_match([""] * 2, ["Paris ", "paris"], [{"city": "Paris"}] * 2, answer_key="city", extract=None) == [
+        1.0,
+        0.0,
+    ]
+    assert b.exact_match([""], ["PARIS"], [{"a": "paris"}], answer_key="a", extract=None, ignore_case=True) == [1.0]
+    assert b.regex_match([""] * 2, ["answer: yes", "maybe"], [{}] * 2, pattern=r"answer: (yes|no)") == [1.0, 0.0]
+    assert b.regex_match([""] * 2, ["id 42", "id 43"], [{"rx": r"\b42\b"}] * 2, pattern_key="rx") == [1.0, 0.0]
+    with pytest.raises(ValueError, match="exactly one"):
+        b.regex_match([""], [""], [{}])
+    assert b.format_reward([""] * 3, ["<think>a</think><answer>1</answer>", "<answer>1</answer>", "x"], [{}] * 3) == [
+        1.0,
+        0.0,
+        0.0,
+    ]
+
+
+def test_length_penalty_is_dapos_soft_overlong_penalty() -> None:
+    ids = [[0] * n for n in (10, 80, 90, 100, 130)]
+    got = b.length_penalty([""] * 5, [""] * 5, [{}] * 5, completion_ids=ids, max_tokens=100, buffer_tokens=20)
+    assert got == [0.0, 0.0, -0.5, -1.0, -1.0]
+    assert b.length_fraction([""] * 2, [""] * 2, [{}] * 2, completion_ids=[[0] * 5, [0] * 50], max_tokens=10) == [
+        0.5,
+        1.0,
+    ]
+
+
+def test_registry_names_and_import_paths() -> None:
+    assert {"arithmetic", "math", "exact_match", "regex_match", "format", "length_penalty", "remote"} <= set(
+        builtin_names()
+    )
+    assert resolve("tests.integration.reward_fns:parity").fn([""], [""], [{}], completion_ids=[[1, 2]]) == [
+        {"reward": 1.0, "pid": pytest.approx(float(__import__("os").getpid()))}
+    ]
+    with pytest.raises(ValueError, match="unknown built-in 'maths'"):
+        resolve("maths")
+    with pytest.raises(ValueError, match="cannot import 'no_such_pkg.mod'"):
+        resolve("no_such_pkg.mod:fn")
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        resolve("tests.integration.reward_fns:nope")
+
+
+def items(lengths: list[int]) -> list[Item]:
+    return [Item((0, i), [5, 6], list(range(7, 7 + n)), "stop", {"answer": "8"}) for i, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from flywheel.tiny import build_tokenizer
+
+    return str(build_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+def scorer(tok: str, *specs: tuple[str, float, dict[str, Any]]) -> Scorer:
+    return Scorer([FunctionSpec(*s) for s in specs], tok, {"max_tokens": 100})
+
+
+def test_scorer_sums_weighted_rewards_with_a_breakdown(tok: str) -> None:
+    s = scorer(tok, ("tests.integration.reward_fns:parity", 2.0, {}), ("length", 0.5, {"max_tokens": 10}))
+    out = s.score(items([4, 5]))
+    assert [o.reward for o in out] == [2.0 + 0.5 * 0.4, 0.5 * 0.5]
+    assert set(out[0].breakdown) == {
+        "tests.integration.reward_fns:parity",
+        "tests.integration.reward_fns:parity/pid",
+        "length",
+    }
+    assert all(o.error is None for o in out)
+
+
+def test_scorer_isolates_a_raising_sample_and_flags_nan_and_bad_output(tok: str) -> None:
+    out = scorer(tok, ("tests.integration.reward_fns:raises_on_some", 1.0, {})).score(items([4, 5, 6, 10]))
+    assert [o.error is None for o in out] == [True, False, True, False]  # lengths 5 and 10 break it
+    assert out[1].error is not None and out[1].error.startswith("exception: tests.integration.reward_fns:raises")
+    assert "this sample breaks" in out[1].error and out[0].reward == 1.0
+    out = scorer(tok, ("tests.integration.reward_fns:nan_on_some", 1.0, {})).score(items([4, 5]))
+    assert out[0].error is None and out[1].error is not None and out[1].error.startswith("non_finite")
+    bad = Scorer([FunctionSpec("length", 1.0, {})], None, {})  # max_tokens missing: a TypeError per sample
+    assert all(o.error and "max_tokens" in o.error for o in bad.score(items([1, 2])))
+
+
+def test_scorer_runs_async_functions(tok: str) -> None:
+    out = scorer(tok, ("tests.integration.reward_fns:slow_parity", 1.0, {})).score(items([2, 3, 4]))
+    assert [o.reward for o in out] == [1.0, 0.0, 1.0]
+
+
+def test_scorer_needs_a_tokenizer_only_for_text(tok: str) -> None:
+    with pytest.raises(ValueError, match=r"read text: set reward.tokenizer"):
+        Scorer([FunctionSpec("arithmetic", 1.0, {})], None, {})
+    assert Scorer([FunctionSpec("length_penalty", 1.0, {})], None, {}).decode is None
+    from transformers import AutoTokenizer
+
+    enc = AutoTokenizer.from_pretrained(tok)
+    hf_text = enc.batch_decode([enc.encode("What is 3 + 5? Answer: 8</s>")], skip_special_tokens=True)
+    assert (
+        Scorer([FunctionSpec("math", 1.0, {})], tok, {}).decode([enc.encode("What is 3 + 5? Answer: 8</s>")]) == hf_text
+    )
+    s = Scorer([FunctionSpec("arithmetic", 1.0, {}), FunctionSpec("math", 1.0, {})], tok, {})
+    it = [Item((0, 0), enc.encode("What is 3 + 5? Answer:"), enc.encode(" 8"), "stop", {"answer": "8"})]
+    assert s.score(it)[0].reward == 2.0
+
+
+# --------------------------------------------------------------------------- remote endpoints
+
+
+class Endpoint:
+    """A real HTTP reward endpoint whose behaviour the test switches."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.calls = 0
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                endpoint.calls += 1
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                n = len(body["completions"])
+                status, payload = 200, json.dumps({"rewards": [float(len(c)) for c in body["completions"]]})
+                if endpoint.mode == "slow":
+                    time.sleep(1.0)
+                elif endpoint.mode == "garbage":
+                    payload = "<html>oops</html>"
+                elif endpoint.mode == "wrong_length":
+                    payload = json.dumps({"rewards": [1.0] * (n + 1)})
+                elif endpoint.mode == "flaky" and endpoint.calls <= 2:
+                    status, payload = 503, "busy"
+                elif endpoint.mode == "nan":
+                    payload = json.dumps({"rewards": [float("nan")] * n})  # Python's json writes NaN
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload.encode())
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def endpoint() -> Iterator[Endpoint]:
+    e = Endpoint()
+    yield e
+    e.close()
+
+
+def remote_scorer(tok: str, url: str, **kwargs: Any) -> Scorer:
+    return Scorer([FunctionSpec("remote", 1.0, {"url": url, "backoff_s": 0.05, **kwargs})], tok, {})
+
+
+def test_remote_scores_a_batch_and_retries_a_flaky_endpoint(tok: str, endpoint: Endpoint) -> None:
+    s = remote_scorer(tok, endpoint.url)
+    batch = items([1, 3])
+    out = s.score(batch)  # the endpoint's reward: the length of the decoded completion
+    assert [o.reward for o in out] == [float(len(c)) for c in s._batch(batch)["completions"]]
+    assert out[1].reward > out[0].reward > 0 and endpoint.calls == 1
+    endpoint.mode, endpoint.calls = "flaky", 0
+    out = s.score(items([1]))
+    assert out[0].error is None and endpoint.calls == 3  # two 503s, then the answer
+
+
+@pytest.mark.parametrize(
+    ("mode", "expect"),
+    [("slow", "TimeoutError"), ("garbage", "not JSON"), ("wrong_length", "must answer"), ("nan", "non_finite")],
+)
+def test_remote_failures_become_errors_not_hangs(tok: str, endpoint: Endpoint, mode: str, expect: str) -> None:
+    endpoint.mode = mode
+    start = time.monotonic()
+    out = remote_scorer(tok, endpoint.url, timeout_s=0.3, retries=1).score(items([1, 2, 3]))
+    assert time.monotonic() - start < 5
+    assert all(o.error is not None and expect in o.error for o in out), out
+    if mode in ("garbage", "wrong_length"):
+        assert endpoint.calls == 1  # a malformed answer is not retried, nor split per sample
+
+
+def test_remote_down_is_retried_then_reported(tok: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    out = remote_scorer(tok, f"http://127.0.0.1:{port}/score", retries=2).score(items([1, 2]))
+    assert all(o.error is not None and "failed 3 times" in o.error for o in out)
+    assert math.isfinite(out[0].reward)
