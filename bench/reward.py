@@ -175,7 +175,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "reward.json"))
     args = p.parse_args()
     n_rule, n_rm = (400, 200) if args.quick else (4000, 1500)
-    worker_counts = [1, 2, 4]
+    worker_counts = [1, 2, 4] + ([8] if (os.cpu_count() or 1) >= 16 else [])
 
     work = Path(tempfile.mkdtemp(prefix="fw-bench-reward-"))
     rm_dir = build_reward_model(work / "rm", size="small")  # the tokenizer is saved with it
