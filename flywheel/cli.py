@@ -9,6 +9,8 @@ from flywheel.config import ConfigError, help_text, reference_markdown
 USAGE = """usage: flywheel COMMAND [options]
 
 commands:
+  run RECIPE.yaml [--section.field VALUE ...]
+        the whole loop on this machine: Redis, hub, reward service, vLLM generators, learner
   demo [--steps N] [--generators N] [--section.field VALUE ...]
         hub demo: private Redis + hub + simulated generators + reward worker + a consumer
   config [--markdown]
@@ -34,6 +36,21 @@ def main(argv: list[str] | None = None) -> int:
     if command == "config":
         print(reference_markdown() if "--markdown" in rest else help_text("flywheel", "Config reference."))
         return 0
+    if command == "run":
+        from flywheel.config import service_config
+
+        if rest and not rest[0].startswith("-"):
+            rest = ["--config", rest[0], *rest[1:]]
+        cfg = service_config("flywheel run", "Train end to end on this machine (see launch.* keys).", rest)
+        if isinstance(cfg, int):
+            return cfg
+        from flywheel.launcher import run
+
+        try:
+            return run(cfg)
+        except ValueError as err:
+            print(f"flywheel run: {err}", file=sys.stderr)
+            return 2
     if command == "demo":
         if "-h" in rest or "--help" in rest:
             print(USAGE)

@@ -33,6 +33,7 @@ class Service:
             stderr=subprocess.STDOUT,
             env=full_env,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
 
     @property
@@ -65,6 +66,15 @@ class Service:
     def tail(self, n: int = 30) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when the parent dies, even by kill -9, so a
+    launcher that vanishes leaves no service behind (each drains and exits as on Ctrl-C)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def wait_for_state_file(path: Path, service: Service, timeout_s: float = 60.0) -> dict[str, int]:

@@ -6,29 +6,16 @@ Nothing is downloaded: tests, the demo and benchmarks build these locally and sa
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
 from typing import Any
+
+from flywheel.tasks import arithmetic_rows, write_jsonl
 
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 
 
-def arithmetic_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
-    """Prompts like 'What is 3 + 5? Answer:' with the reference answer."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"prompt": f"What is {a} + {b}? Answer:", "answer": str(a + b)})
-    return rows
-
-
 def write_arithmetic_jsonl(path: str | Path, n: int, seed: int = 0) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_rows(n, seed)))
-    return path
+    return write_jsonl(arithmetic_rows(n, seed), path)
 
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> Path:

@@ -9,10 +9,8 @@ import re
 import threading
 from typing import Any
 
+from flywheel.tasks import arithmetic_correct
 from reward_service.registry import register
-
-_INT = re.compile(r"-?\d+")
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def _answer(meta: dict[str, Any], key: str) -> str:
@@ -32,9 +30,8 @@ def arithmetic(
     """
     out = []
     for completion, meta in zip(completions, metadata, strict=True):
-        found = _INT.search(completion)
-        hit = found is not None and found.group() == _answer(meta, answer_key)
-        out.append({"reward": float(hit), "format": float(found is not None)})
+        hit, has_number = arithmetic_correct(completion, _answer(meta, answer_key))
+        out.append({"reward": float(hit), "format": float(has_number)})
     return out
 
 

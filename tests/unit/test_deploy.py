@@ -1,0 +1,57 @@
+"""deploy/: the compose file validates, and every Flywheel command in it parses (with --help)."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "deploy" / "docker-compose.yml"
+ENV = ROOT / "deploy" / "flywheel.env"
+
+
+def compose_command() -> list[str]:
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    raise AssertionError("neither `docker compose` nor `docker-compose` found: scripts/setup.sh installs it")
+
+
+def compose_config() -> dict:
+    cmd = compose_command()
+    out = subprocess.run(
+        [*cmd, "--env-file", str(ENV), "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    config: dict = yaml.safe_load(out.stdout)
+    return config
+
+
+def test_compose_file_validates_and_every_service_command_parses() -> None:
+    services = compose_config()["services"]
+    assert {"redis", "buffer", "reward", "generator", "learner"} <= set(services)
+    assert services["redis"]["command"][:3] == ["redis-server", "--appendonly", "yes"]
+    bin_dir = Path(sys.executable).parent
+    checked = []
+    for name, svc in services.items():
+        if svc.get("image") != "flywheel:latest":
+            continue
+        argv = shlex.split(svc["command"]) if isinstance(svc["command"], str) else list(svc["command"])
+        if argv[0] == "torchrun":  # torchrun ... -m MODULE args: the module's own parser
+            i = argv.index("-m")
+            argv = [sys.executable, "-m", argv[i + 1], *argv[i + 2 :]]
+        else:
+            argv = [str(bin_dir / argv[0]), *argv[1:]]
+        out = subprocess.run([*argv, "--help"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "usage:" in out.stdout, (name, out.stdout[-500:], out.stderr[-2000:])
+        for flag in (a for a in argv if a.startswith("--") and a != "--config"):
+            assert flag[2:] in out.stdout, f"{name}: {flag} is not a config key"  # a typo would fail at run time
+        checked.append(name)
+    assert sorted(checked) == ["buffer", "generator", "learner", "reward"]
+    assert services["generator"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
