@@ -39,6 +39,7 @@ from flywheel.wire import Decoder, RewardRegister, Score, ScoreRequest, encode, 
 
 console = Console(width=140)
 CAPACITY = 256
+ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 REMOTE_LATENCY_S = 0.02
 
 
@@ -156,7 +157,7 @@ def measure(work: Path, name: str, functions: str, tok: Path, workers: int, requ
             f"tcp://127.0.0.1:{hub.port}",
         ],
         work,
-        env={"PYTHONPATH": str(ROOT)},
+        env=ENV,
     )
     try:
         hub.run(requests[: CAPACITY // 2], timeout_s=180)  # warm-up: every worker started and imported
@@ -188,7 +189,7 @@ def main() -> None:
         "reward_service.rm_server",
         ["--rm.model", str(rm_dir), "--rm.port", "0", "--rm.state_file", str(state), "--rm.max_batch", "64"],
         work,
-        env={"PYTHONPATH": str(ROOT)},
+        env=ENV,
     )
     endpoint = SlowEndpoint(REMOTE_LATENCY_S)
     rows = []

@@ -501,9 +501,14 @@ class LaunchConfig(_Section):
     tiny_model: Literal["tiny", "small", "medium", "large"] | None = Field(
         None, description="Build a Llama of this size from code (with its tokenizer) when train.model is unset."
     )
+    learner_procs: int = Field(1, ge=1, le=1024, description="Learner ranks (data parallel, via torchrun).")
+    learner_threads: int = Field(1, ge=1, le=1024, description="OMP threads per learner rank (CPUs).")
     ready_timeout_s: float = Field(600, gt=0, description="Longest a service may take to become ready.")
     display: bool = Field(True, description="Live progress display (off: one log line every few seconds).")
     ray_address: str | None = Field(None, description="Ray cluster address for launcher ray (unset: a local Ray).")
+    cpus_per_service: float = Field(1.0, ge=0, le=1024, description="Ray: CPUs reserved for each service.")
+    gpus_per_generator: float = Field(0, ge=0, le=64, description="Ray: GPUs reserved for each generator.")
+    gpus_per_learner: float = Field(0, ge=0, le=64, description="Ray: GPUs reserved for the learner.")
 
 
 class WandbConfig(_Section):

@@ -28,7 +28,7 @@ from rich.live import Live
 from rich.table import Table
 
 from flywheel.config import FlywheelConfig
-from flywheel.procs import Service, wait_for_state_file
+from flywheel.procs import Service, ServiceHandle, wait_for_state_file
 from flywheel.redis_server import RedisServer, free_port
 from flywheel.tasks import arithmetic_rows, write_jsonl
 
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class ServiceFailed(RuntimeError):
-    def __init__(self, service: Service, why: str) -> None:
+    def __init__(self, service: ServiceHandle, why: str) -> None:
         self.service = service
         super().__init__(f"{service.name} {why}; the end of {service.log_path}:\n{service.tail(25)}")
 
@@ -60,7 +60,7 @@ class LocalLaunch:
         self.run_dir = Path(cfg.launch.run_dir or Path("runs") / cfg.run.name).resolve()
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.services: list[Service] = []
+        self.services: list[ServiceHandle] = []
         self.redis: RedisServer | None = None
         self.overrides: list[str] = []  # what the launcher decided: every service gets these flags
         self.hub_ports: dict[str, int] = {}
@@ -68,12 +68,11 @@ class LocalLaunch:
         self.started = time.monotonic()
         self.eval_start: dict[str, Any] | None = None
         self.eval_end: dict[str, Any] | None = None
-        self._stop = False
 
     # ------------------------------------------------------------------ the run
 
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, lambda *_: self._request_stop())
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the run as Ctrl-C does
         try:
             self._prepare()
             self._start_services()
@@ -89,38 +88,62 @@ class LocalLaunch:
         finally:
             self._shutdown()
             if self.timeline.t or self.eval_end is not None:
-                self._report()
+                try:
+                    self._report()
+                except Exception as err:  # a report failing must not hide why the run ended
+                    self.console.print(f"[red]report failed: {type(err).__name__}: {err}")
             self.console.print(f"run directory: {self.run_dir}")
-
-    def _request_stop(self) -> None:
-        self._stop = True
 
     def _flags(self, *extra: str) -> list[str]:
         return ["--config", str(self.run_dir / "config.yaml"), *self.overrides, *extra]
 
-    def _service(self, name: str, module: str, *args: str, env: dict[str, str] | None = None) -> Service:
-        base_env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        svc = Service(name, module, list(args), self.logs, env={**base_env, **(env or {})})
+    # The hooks a launcher on other machinery (Ray) overrides: where services run and are reached.
+
+    def _start_redis(self) -> str:
+        self.redis = RedisServer(self.run_dir / "redis", appendfsync=self.cfg.redis.appendfsync)
+        return self.redis.url
+
+    def _service(self, name: str, module: str, *args: str, env: dict[str, str] | None = None) -> ServiceHandle:
+        """Start ``python -m module args`` as the service ``name``; returns a handle with name,
+        alive(), returncode, stop(), tail() and log_path (``procs.Service``)."""
+        svc = Service(name, module, list(args), self.logs, env={**self._env(), **(env or {})})
         self.services.append(svc)
         return svc
 
-    def _wait_exit(self, svc: Service, timeout_s: float) -> None:
+    @staticmethod
+    def _env() -> dict[str, str]:
+        return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+    def _read_state(self, svc: ServiceHandle, path: Path) -> dict[str, int]:
+        return wait_for_state_file(path, svc, timeout_s=self.cfg.launch.ready_timeout_s)
+
+    def _host(self, role: str) -> str:
+        """The address others reach ``role`` at."""
+        return "127.0.0.1"
+
+    def _bind_host(self) -> str:
+        return "127.0.0.1"  # one machine: nothing listens beyond it
+
+    def _sync_ports(self) -> tuple[int, int]:
+        return free_port(), free_port()
+
+    def _wait_exit(self, svc: ServiceHandle, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while svc.alive():
             if time.monotonic() > deadline:
                 raise ServiceFailed(svc, f"did not finish within {timeout_s:g}s")
             time.sleep(0.2)
-        if svc.proc.returncode != 0:
-            raise ServiceFailed(svc, f"failed (exit code {svc.proc.returncode})")
+        if svc.returncode != 0:
+            raise ServiceFailed(svc, f"failed (exit code {svc.returncode})")
 
     # ------------------------------------------------------------------ preparation
 
     def _prepare(self) -> None:
         cfg, start = self.cfg, self.cfg.launch.services
         if "redis" in start:
-            self.redis = RedisServer(self.run_dir / "redis", appendfsync=cfg.redis.appendfsync)
-            self.overrides += ["--redis.url", self.redis.url]
-            self.console.print(f"redis: {self.redis.url} (AOF in {self.redis.dir})")
+            url = self._start_redis()
+            self.overrides += ["--redis.url", url]
+            self.console.print(f"redis: {url} (AOF in {self.run_dir / 'redis'})")
         elif cfg.redis.url is None:
             raise ValueError("launch.services leaves out redis: set redis.url to the running server")
         model = cfg.train.model
@@ -180,34 +203,38 @@ class LocalLaunch:
                 "hub",
                 "buffer",
                 *self._flags(
-                    "--hub.host", "127.0.0.1", "--hub.generator_port", "0", "--hub.reward_port", "0",
+                    "--hub.host", self._bind_host(), "--hub.generator_port", "0", "--hub.reward_port", "0",
                     "--hub.metrics_port", "0", "--hub.state_file", str(state),
                 ),
             )  # fmt: skip
-            self.hub_ports = wait_for_state_file(state, hub, timeout_s=cfg.launch.ready_timeout_s)
+            self.hub_ports = self._read_state(hub, state)
+            hub_host = self._host("hub")
             self.overrides += [
                 "--reward.hub_address",
-                f"tcp://127.0.0.1:{self.hub_ports['reward_port']}",
+                f"tcp://{hub_host}:{self.hub_ports['reward_port']}",
                 "--generator.hub_address",
-                f"tcp://127.0.0.1:{self.hub_ports['generator_port']}",
+                f"tcp://{hub_host}:{self.hub_ports['generator_port']}",
             ]
             self.console.print(f"hub: {self.hub_ports}")
         if "reward" in start:
             self._service("reward", "reward_service", *self._flags())
-        self.overrides += ["--sync.host", "127.0.0.1", "--sync.announce_port", str(free_port())]
-        self.overrides += ["--sync.join_port", str(free_port())]
+        announce, join = self._sync_ports()
+        self.overrides += ["--sync.host", self._host("learner"), "--sync.announce_port", str(announce)]
+        self.overrides += ["--sync.join_port", str(join)]
         if "generator" in start:
             for i in range(cfg.launch.generators):
                 self._service(f"generator{i}", "generators", *self._flags("--generator.id", f"gen{i}"))
             self._wait_generators(cfg.launch.generators)
         if "learner" in start:
             run_dir, export = str(self.run_dir), str(self.run_dir / "final_model")
-            self._service(
-                "learner",
-                "learner",
-                *self._flags("--train.run_dir", run_dir, "--train.export_dir", export),
-                env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
-            )
+            flags = self._flags("--train.run_dir", run_dir, "--train.export_dir", export)
+            procs = cfg.launch.learner_procs
+            env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(cfg.launch.learner_threads))}
+            if procs == 1:
+                self._service("learner", "learner", *flags, env=env)
+            else:  # data parallel: one rank per GPU (or per process on CPUs)
+                launcher = ["--nproc_per_node", str(procs), "--master_port", str(free_port()), "-m", "learner"]
+                self._service("learner", "torch.distributed.run", *launcher, *flags, env=env)
 
     def _wait_generators(self, n: int) -> None:
         if not self.hub_ports.get("metrics_port") or n == 0:
@@ -222,14 +249,14 @@ class LocalLaunch:
             time.sleep(0.5)
         self.console.print(f"{n} generator(s) registered ({time.monotonic() - self.started:.0f}s since start)")
 
-    def _check_alive(self) -> Service | None:
+    def _check_alive(self) -> ServiceHandle | None:
         """Raise for a service that died; return the learner once it finished cleanly."""
         for svc in self.services:
             if svc.alive() or svc.name in ("sft", "eval_start", "eval_end"):
                 continue
-            if svc.name == "learner" and svc.proc.returncode == 0:
+            if svc.name == "learner" and svc.returncode == 0:
                 return svc
-            raise ServiceFailed(svc, f"exited with code {svc.proc.returncode}")
+            raise ServiceFailed(svc, f"exited with code {svc.returncode}")
         return None
 
     # ------------------------------------------------------------------ watching
@@ -244,7 +271,7 @@ class LocalLaunch:
             live.start()
         last_line = 0.0
         try:
-            while not self._stop:
+            while True:
                 if self._check_alive() is not None:
                     break
                 last = self._read_last(metrics_file) or last
@@ -280,7 +307,8 @@ class LocalLaunch:
         if not port:
             return {}
         try:
-            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            url = f"http://{self._host('hub')}:{port}/metrics"
+            body = urllib.request.urlopen(url, timeout=2).read().decode()
         except OSError:
             return {}
         out = {}
@@ -331,7 +359,7 @@ class LocalLaunch:
             f"ready {hub.get('ready_groups', 0):.0f} | open {hub.get('open_groups', 0):.0f} | "
             f"scoring {hub.get('scores_pending', 0):.0f} | dropped {hub.get('groups_dropped', 0):.0f}",
         )
-        t.add_row("services", " ".join(f"{s.name}:{'up' if s.alive() else s.proc.returncode}" for s in self.services))
+        t.add_row("services", " ".join(f"{s.name}:{'up' if s.alive() else s.returncode}" for s in self.services))
         return t
 
     # ------------------------------------------------------------------ the end
@@ -349,6 +377,9 @@ class LocalLaunch:
                 svc.stop(timeout_s=15)
             except Exception as err:  # one stuck service must not keep the others running
                 self.console.print(f"[red]stopping {svc.name}: {err}")
+        self._stop_redis()
+
+    def _stop_redis(self) -> None:
         if self.redis is not None:
             self.redis.stop()
 
@@ -369,4 +400,8 @@ class LocalLaunch:
 
 
 def run(cfg: FlywheelConfig) -> int:
+    if cfg.launch.launcher == "ray":
+        from flywheel.ray_launch import RayLaunch
+
+        return RayLaunch(cfg).run()
     return LocalLaunch(cfg).run()

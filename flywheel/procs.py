@@ -15,6 +15,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Protocol
+
+
+class ServiceHandle(Protocol):
+    """What a launcher needs of a running service, wherever it runs (here, or a Ray actor)."""
+
+    name: str
+    log_path: Path
+
+    def alive(self) -> bool: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def stop(self, timeout_s: float = 10.0) -> None: ...
+
+    def tail(self, n: int = 30) -> str: ...
 
 
 class Service:
@@ -42,6 +59,10 @@ class Service:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
 
     def kill9(self) -> None:
         """SIGKILL the service and every process it started (its process group)."""
@@ -77,12 +98,12 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def wait_for_state_file(path: Path, service: Service, timeout_s: float = 60.0) -> dict[str, int]:
+def wait_for_state_file(path: Path, service: ServiceHandle, timeout_s: float = 60.0) -> dict[str, int]:
     """Wait until a service writes its ports, failing fast if it dies first."""
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if not service.alive():
-            raise RuntimeError(f"{service.name} exited ({service.proc.returncode}) before listening:\n{service.tail()}")
+            raise RuntimeError(f"{service.name} exited ({service.returncode}) before listening:\n{service.tail()}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{service.name} did not start within {timeout_s}s:\n{service.tail()}")
         time.sleep(0.05)

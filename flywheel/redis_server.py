@@ -22,7 +22,11 @@ class RedisServer:
     """Starts ``redis-server`` with append-only persistence; stops only the process it started."""
 
     def __init__(
-        self, data_dir: str | Path | None = None, port: int | None = None, appendfsync: str = "everysec"
+        self,
+        data_dir: str | Path | None = None,
+        port: int | None = None,
+        appendfsync: str = "everysec",
+        bind: str = "127.0.0.1",
     ) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
@@ -37,7 +41,7 @@ class RedisServer:
             "--port",
             str(self.port),
             "--bind",
-            "127.0.0.1",
+            bind,  # 127.0.0.1 unless a launcher spreads services over machines
             "--dir",
             str(self.dir),
             "--appendonly",

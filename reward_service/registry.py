@@ -1,9 +1,11 @@
 """Reward functions by name: the built-ins register here; anything else loads by import path.
 
-A reward function scores a batch. Its signature::
+A reward function scores a batch:
 
-    def my_reward(prompts: list[str], completions: list[str], metadata: list[dict], **kwargs) -> list[float]:
-        return [1.0 if c.strip() == m["answer"] else 0.0 for c, m in zip(completions, metadata)]
+>>> def my_reward(prompts: list[str], completions: list[str], metadata: list[dict], **kwargs) -> list[float]:
+...     return [1.0 if c.strip() == m["answer"] else 0.0 for c, m in zip(completions, metadata)]
+>>> my_reward(["What is 2 + 2?", "What is 1 + 1?"], [" 4", " 3"], [{"answer": "4"}, {"answer": "2"}])
+[1.0, 0.0]
 
 ``async def`` works the same way. ``kwargs`` holds the spec's ``kwargs`` from the config plus
 ``prompt_ids`` and ``completion_ids`` (lists of token-id lists) and ``finish_reasons``, so take

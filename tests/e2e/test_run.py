@@ -79,7 +79,7 @@ def test_quickstart_trains_end_to_end_and_writes_the_report(tmp_path: Path) -> N
     assert_no_orphans(pids)
     summary = json.loads((run_dir / "report" / "summary.json").read_text())
     assert summary["steps"] == 8 and 0 <= summary["accuracy_start"] <= 1 and 0 <= summary["accuracy_end"] <= 1
-    assert sum(summary["staleness_histogram"].values()) == 8 * 16
+    assert sum(summary["staleness_histogram"].values()) == 8 * 32  # steps x the recipe's groups_per_step
     assert max(int(k) for k in summary["staleness_histogram"]) <= 2  # the recipe's η
     for png in ("reward.png", "staleness.png", "throughput.png"):
         assert (run_dir / "report" / png).stat().st_size > 5000
@@ -108,4 +108,18 @@ def test_ctrl_c_shuts_everything_down(tmp_path: Path) -> None:
     text = finish(proc, text)
     assert proc.returncode == 130, text[-3000:]
     assert "interrupted" in text
+    assert_no_orphans(pids)
+
+
+def test_ray_launcher_runs_the_same_loop_as_actors(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--launch.launcher", "ray", "--train.total_steps", "4", "--sft.steps", "10")
+    text, pids = watch(proc, timeout_s=600)
+    text = finish(proc, text)
+    assert proc.returncode == 0, text[-5000:]
+    assert "ray: placement group of 4 bundles on 1 node(s)" in text
+    for service in ("hub", "reward", "generator0", "learner"):
+        assert f"ray: {service} on " in text
+    summary = json.loads((run_dir / "report" / "summary.json").read_text())
+    assert summary["steps"] == 4 and "accuracy_end" in summary
     assert_no_orphans(pids)

@@ -222,3 +222,13 @@ def test_remote_down_is_retried_then_reported(tok: str) -> None:
     out = remote_scorer(tok, f"http://127.0.0.1:{port}/score", retries=2).score(items([1, 2]))
     assert all(o.error is not None and "failed 3 times" in o.error for o in out)
     assert math.isfinite(out[0].reward)
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    from reward_service import registry
+
+    for module in (registry, b):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__

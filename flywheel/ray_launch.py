@@ -1,0 +1,194 @@
+"""``flywheel run --launch.launcher ray``: the same services as Ray actors.
+
+Each service is an actor that starts the service's process on the node Ray placed it on and
+reports its state, so the launcher drives it exactly like a local process (``LocalLaunch``). One
+placement group reserves every service's resources up front (GPUs for the generators and the
+learner where the cluster has them, CPUs here), packed onto as few nodes as fit. On one node
+everything binds 127.0.0.1; spread over several, services bind every interface and are reached
+at their node's address. The run directory must then be on a filesystem every node shares (it
+holds the model, the prompts and the logs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from flywheel.config import FlywheelConfig
+from flywheel.launcher import LocalLaunch
+from flywheel.procs import Service, ServiceHandle, wait_for_state_file
+from flywheel.redis_server import RedisServer
+
+CALL_TIMEOUT_S = 60.0
+
+
+class ServiceRunner:
+    """Runs one service process on this actor's node."""
+
+    def __init__(self, name: str, module: str, args: list[str], log_dir: str, env: dict[str, str]) -> None:
+        self.svc = Service(name, module, args, Path(log_dir), env=env)
+
+    def returncode(self) -> int | None:
+        return self.svc.returncode
+
+    def stop(self, timeout_s: float) -> int | None:
+        self.svc.stop(timeout_s)
+        return self.svc.returncode
+
+    def tail(self, n: int) -> str:
+        return self.svc.tail(n)
+
+    def read_state(self, path: str, timeout_s: float) -> dict[str, int]:
+        return wait_for_state_file(Path(path), self.svc, timeout_s)
+
+
+_ServiceActor: Any = ray.remote(num_cpus=0)(ServiceRunner)
+
+
+class RedisRunner:
+    def __init__(self, data_dir: str, bind: str, appendfsync: str) -> None:
+        self.server = RedisServer(data_dir, appendfsync=appendfsync, bind=bind)
+
+    def port(self) -> int:
+        return self.server.port
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+_RedisActor: Any = ray.remote(num_cpus=0)(RedisRunner)
+
+
+class RayService:
+    """The launcher's handle on a service actor (``procs.ServiceHandle``)."""
+
+    def __init__(self, name: str, actor: Any, log_path: Path) -> None:
+        self.name = name
+        self.actor = actor
+        self.log_path = log_path
+        self._code: int | None = None
+        self._gone = False
+
+    @property
+    def returncode(self) -> int | None:
+        if self._code is None and not self._gone:
+            try:
+                self._code = ray.get(self.actor.returncode.remote(), timeout=CALL_TIMEOUT_S)
+            except ray.exceptions.RayActorError:  # the actor (its node) died: so did the service
+                self._code, self._gone = -9, True
+        return self._code
+
+    def alive(self) -> bool:
+        return self.returncode is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if not self._gone:
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                self._code = ray.get(self.actor.stop.remote(timeout_s), timeout=timeout_s + CALL_TIMEOUT_S)
+            ray.kill(self.actor)
+            self._gone = True
+
+    def tail(self, n: int = 30) -> str:
+        if self._gone:
+            return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        text: str = ray.get(self.actor.tail.remote(n), timeout=CALL_TIMEOUT_S)
+        return text
+
+
+class RayLaunch(LocalLaunch):
+    def __init__(self, cfg: FlywheelConfig) -> None:
+        super().__init__(cfg)
+        la = cfg.launch
+        self._own_ray = not ray.is_initialized() and la.ray_address is None
+        if not ray.is_initialized():
+            env = {"env_vars": {**self._env(), "TOKENIZERS_PARALLELISM": "false"}}
+            if la.ray_address is None:  # a local Ray with room for every service's reservation
+                need = la.cpus_per_service * (3 + la.generators)
+                ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False, runtime_env=env)
+            else:
+                ray.init(address=la.ray_address, runtime_env=env)
+        cpu = {"CPU": la.cpus_per_service} if la.cpus_per_service else {}
+        roles = {"hub": dict(cpu), "reward": dict(cpu), "learner": {**cpu, "GPU": la.gpus_per_learner}}
+        for i in range(la.generators):
+            roles[f"generator{i}"] = {**cpu, "GPU": la.gpus_per_generator}
+        self.roles = list(roles)
+        bundles = [{k: v for k, v in r.items() if v} or {"CPU": 0.001} for r in roles.values()]
+        self.pg = placement_group(bundles, strategy="PACK", name=f"flywheel-{cfg.run.name}")
+        ray.get(self.pg.ready(), timeout=la.ready_timeout_s)
+        self.gpus = {role: roles[role].get("GPU", 0) for role in roles}
+        node_of = placement_group_table(self.pg)["bundles_to_node_id"]
+        address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        self.node_ip = {role: address[node_of[i]] for i, role in enumerate(self.roles)}
+        self.spread = len(set(self.node_ip.values())) > 1
+        self.console.print(
+            f"ray: placement group of {len(bundles)} bundles on {len(set(self.node_ip.values()))} node(s)"
+        )
+
+    def _bundle(self, name: str) -> int:
+        role = name if name in self.roles else "learner" if name in ("sft", "eval_start", "eval_end") else "hub"
+        return self.roles.index(role)
+
+    def _strategy(self, name: str) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self._bundle(name))
+
+    def _start_redis(self) -> str:
+        bind = "0.0.0.0" if self.spread else "127.0.0.1"
+        self._redis_actor = _RedisActor.options(scheduling_strategy=self._strategy("hub")).remote(
+            str(self.run_dir / "redis"), bind, self.cfg.redis.appendfsync
+        )
+        port = ray.get(self._redis_actor.port.remote(), timeout=CALL_TIMEOUT_S)
+        return f"redis://{self._host('hub')}:{port}/0"
+
+    def _stop_redis(self) -> None:
+        actor = getattr(self, "_redis_actor", None)
+        if actor is not None:
+            ray.get(actor.stop.remote(), timeout=CALL_TIMEOUT_S)
+            ray.kill(actor)
+
+    def _service(self, name: str, module: str, *args: str, env: dict[str, str] | None = None) -> ServiceHandle:
+        role = self.roles[self._bundle(name)]
+        # a service reserves its bundle's share; the warm start and evaluations borrow the learner's
+        share = self.gpus.get(name, 0)
+        actor = _ServiceActor.options(
+            scheduling_strategy=self._strategy(name),
+            num_gpus=share,
+            name=f"{self.cfg.run.name}-{name}-{time.time_ns()}",
+        ).remote(name, module, list(args), str(self.logs), {**self._env(), **(env or {})})
+        svc = RayService(name, actor, self.logs / f"{name}.log")
+        self.services.append(svc)
+        self.console.print(f"ray: {name} on {self.node_ip[role]}")
+        return svc
+
+    def _read_state(self, svc: ServiceHandle, path: Path) -> dict[str, int]:
+        assert isinstance(svc, RayService)
+        timeout = self.cfg.launch.ready_timeout_s
+        state: dict[str, int] = ray.get(
+            svc.actor.read_state.remote(str(path), timeout), timeout=timeout + CALL_TIMEOUT_S
+        )
+        return state
+
+    def _host(self, role: str) -> str:
+        return self.node_ip[role] if self.spread else "127.0.0.1"
+
+    def _bind_host(self) -> str:
+        return "0.0.0.0" if self.spread else "127.0.0.1"
+
+    def _sync_ports(self) -> tuple[int, int]:
+        if self.spread:  # the learner's node picks no port for us: use the configured ones
+            return self.cfg.sync.announce_port, self.cfg.sync.join_port
+        return super()._sync_ports()
+
+    def _shutdown(self) -> None:
+        try:
+            super()._shutdown()
+        finally:
+            remove_placement_group(self.pg)
+            if self._own_ray:
+                ray.shutdown()
