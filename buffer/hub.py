@@ -90,6 +90,8 @@ class Hub:
         self.learner_version = 0
         self.groups_issued = 0
         self.groups_dropped = 0
+        self._admission_said_no = False
+        self._blocked_at: float | None = None
         self.next_lease_id = 0
         self.epoch = 0
         self.cursor = 0
@@ -583,7 +585,12 @@ class Hub:
 
     def _expire(self, now: float) -> None:
         for gen_id, gen in list(self.generators.items()):
-            if now - gen.last_seen > self.hcfg.generator_timeout_s:
+            if now - gen.last_seen > self.hcfg.generator_timeout_s and gen.draining and not gen.leases:
+                log.info("generator %s drained and left", gen_id)  # a scale-down: nothing to re-issue
+                del self.generators[gen_id]
+                self._pipe.hdel(self.keys.generators, gen_id)
+                self.stats.generators_departed += 1
+            elif now - gen.last_seen > self.hcfg.generator_timeout_s:
                 log.warning(
                     "generator %s silent for %.1fs: evicted, %d leases re-issued",
                     gen_id,
@@ -645,6 +652,11 @@ class Hub:
         return lease
 
     def _dispatch_leases(self) -> None:
+        self._admission_said_no = False
+        self._fill_free_slots()
+        self._note_blocked(self._admission_said_no)
+
+    def _fill_free_slots(self) -> None:
         min_version = self.policy.min_version(self.learner_version)
         for gen in self.generators.values():
             if gen.record.weight_version < min_version:
@@ -655,12 +667,21 @@ class Hub:
                     return
                 self._assign(lease, gen, min_version)
 
+    def _note_blocked(self, blocked: bool) -> None:
+        """Time generators had free slots the staleness bound kept empty (what an autoscaler
+        reads as "more generators than the learner can use")."""
+        now = time.monotonic()
+        if self._blocked_at is not None:
+            self.stats.admission_blocked_s += now - self._blocked_at
+        self._blocked_at = now if blocked else None
+
     def _next_lease(self) -> ActiveLease | None:
         while self.unassigned:
             lease = self.leases.get(self.unassigned.popleft())
             if lease is not None:
                 return lease
         if not self.policy.may_issue(self.groups_issued, self.groups_dropped, self.learner_version):
+            self._admission_said_no = True
             return None
         group = self._issue_group()
         return None if group is None else self._new_lease(group.meta.group_id, list(range(group.meta.n_samples)))
@@ -735,7 +756,9 @@ class Hub:
             "leases_reissued": s.leases_reissued,
             "leases_released": s.leases_released,
             "generators_evicted": s.generators_evicted,
+            "generators_departed": s.generators_departed,
             "groups_dropped_reward": s.groups_dropped_reward,
+            "admission_blocked_seconds": s.admission_blocked_s,
             "groups_issued": self.groups_issued,
             "groups_dropped": self.groups_dropped,
             "prompts_truncated": self.source.truncated,
@@ -746,6 +769,8 @@ class Hub:
             "active_leases": len(self.leases) - len(self.unassigned),
             "unassigned_leases": len(self.unassigned),
             "generators": len(self.generators),
+            "generators_draining": sum(g.draining for g in self.generators.values()),
+            "generator_capacity": sum(g.record.capacity for g in self.generators.values() if not g.draining),
             "reward_workers": len(self.reward_workers),
             "scores_pending": len(self.score_queue) + len(self.score_sent),
             "requeued_prompts": len(self.requeued_prompts),

@@ -26,9 +26,11 @@ class HubStats:
     leases_reissued: int = 0
     leases_released: int = 0  # given back by generators (draining, weights behind)
     generators_evicted: int = 0
+    generators_departed: int = 0  # drained and gone (scale-down): not an eviction
     rejected: Counter[str] = field(default_factory=Counter)
     reward_errors: Counter[str] = field(default_factory=Counter)  # failed scores by reason (timeout, ...)
     groups_dropped_reward: int = 0  # dropped for a failed score (reward.on_error drop_group)
+    admission_blocked_s: float = 0.0  # generators had free slots the staleness bound kept empty
     # seconds from the start of a turn that took chunks to its Redis write returning (recent turns)
     durable_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
 

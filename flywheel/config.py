@@ -511,6 +511,46 @@ class LaunchConfig(_Section):
     gpus_per_learner: float = Field(0, ge=0, le=64, description="Ray: GPUs reserved for the learner.")
 
 
+class AutoscaleConfig(_Section):
+    """Generator autoscaling (`flywheel run`): the fleet follows what the learner can consume."""
+
+    enabled: bool = Field(False, description="Adjust the number of generators while the run goes.")
+    min_generators: int = Field(1, ge=0, le=4096, description="Fewest generators.")
+    max_generators: int = Field(4, ge=1, le=4096, description="Most generators.")
+    interval_s: float = Field(5.0, gt=0, le=3600, description="Seconds between two looks at the hub's metrics.")
+    cooldown_s: float = Field(
+        30.0, ge=0, le=86400, description="Least time between two changes (a new generator needs time to load)."
+    )
+    starving_ready_steps: float = Field(
+        1.0, ge=0, description="Grow when fewer ready groups than this many learner steps wait and generators are busy."
+    )
+    busy_utilisation: float = Field(
+        0.75, ge=0, le=1, description="Generators count as busy above this share of their lease slots in use."
+    )
+    blocked_frac: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Shrink when generators spent this share of the interval with slots the staleness bound kept empty.",
+    )
+    backend: Literal["launcher", "command"] = Field(
+        "launcher", description="launcher: processes or Ray actors of flywheel run; command: run autoscale.command."
+    )
+    command: str | None = Field(
+        None,
+        description="Hook for compose/Kubernetes: a shell command with {replicas}, e.g. "
+        "'docker compose -f deploy/docker-compose.yml up -d --no-recreate --scale generator={replicas}'.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleConfig:
+        if self.min_generators > self.max_generators:
+            raise ValueError("autoscale.min_generators must be <= autoscale.max_generators")
+        if self.backend == "command" and not self.command:
+            raise ValueError("autoscale.backend command needs autoscale.command (with {replicas})")
+        return self
+
+
 class WandbConfig(_Section):
     """Experiment logging."""
 
@@ -540,6 +580,7 @@ class FlywheelConfig(_Section):
     task: TaskConfig = Field(default_factory=TaskConfig, description="Synthetic task.")
     sft: SftConfig = Field(default_factory=SftConfig, description="Supervised warm start.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="The flywheel run launcher.")
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig, description="Generator autoscaling.")
 
     @model_validator(mode="after")
     def _algorithm_is_consistent(self) -> FlywheelConfig:

@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from flywheel.autoscale import Autoscaler, CommandBackend, ServiceBackend
 from flywheel.config import FlywheelConfig
 from flywheel.procs import Service, ServiceHandle, wait_for_state_file
 from flywheel.redis_server import RedisServer, free_port
@@ -68,6 +69,8 @@ class LocalLaunch:
         self.started = time.monotonic()
         self.eval_start: dict[str, Any] | None = None
         self.eval_end: dict[str, Any] | None = None
+        self.generators: list[ServiceHandle] = []
+        self.autoscaler: Autoscaler | None = None
 
     # ------------------------------------------------------------------ the run
 
@@ -223,8 +226,10 @@ class LocalLaunch:
         self.overrides += ["--sync.join_port", str(join)]
         if "generator" in start:
             for i in range(cfg.launch.generators):
-                self._service(f"generator{i}", "generators", *self._flags("--generator.id", f"gen{i}"))
+                self.generators.append(self._start_generator(i))
             self._wait_generators(cfg.launch.generators)
+        if cfg.autoscale.enabled:
+            self.autoscaler = self._autoscaler()
         if "learner" in start:
             run_dir, export = str(self.run_dir), str(self.run_dir / "final_model")
             flags = self._flags("--train.run_dir", run_dir, "--train.export_dir", export)
@@ -235,6 +240,25 @@ class LocalLaunch:
             else:  # data parallel: one rank per GPU (or per process on CPUs)
                 launcher = ["--nproc_per_node", str(procs), "--master_port", str(free_port()), "-m", "learner"]
                 self._service("learner", "torch.distributed.run", *launcher, *flags, env=env)
+
+    def _start_generator(self, i: int) -> ServiceHandle:
+        return self._service(f"generator{i}", "generators", *self._flags("--generator.id", f"gen{i}"))
+
+    def _retire_generator(self, svc: ServiceHandle) -> None:
+        """Scale-down: SIGTERM, so it drains (finishes or gives back its leases) before it exits."""
+        self.services.remove(svc)  # leaving on purpose is not a failure
+        svc.stop(timeout_s=self.cfg.generator.drain_timeout_s + 15)
+
+    def _autoscaler(self) -> Autoscaler:
+        a = self.cfg.autoscale
+        backend: CommandBackend | ServiceBackend
+        if a.backend == "command":
+            assert a.command is not None
+            backend = CommandBackend(a.command, start=self.cfg.launch.generators)
+        else:
+            backend = ServiceBackend(self._start_generator, self._retire_generator, self.generators)
+        self.console.print(f"autoscale: {a.min_generators}..{a.max_generators} generators ({a.backend})")
+        return Autoscaler(a, backend, self._hub_metrics, self.cfg.async_.groups_per_step)
 
     def _wait_generators(self, n: int) -> None:
         if not self.hub_ports.get("metrics_port") or n == 0:
@@ -276,6 +300,8 @@ class LocalLaunch:
                     break
                 last = self._read_last(metrics_file) or last
                 self._sample()
+                if self.autoscaler is not None:
+                    self.autoscaler.tick()
                 if live.is_started:
                     live.update(self._table(last))
                 elif time.monotonic() - last_line > 5:

@@ -153,17 +153,20 @@ class RayLaunch(LocalLaunch):
             ray.kill(actor)
 
     def _service(self, name: str, module: str, *args: str, env: dict[str, str] | None = None) -> ServiceHandle:
-        role = self.roles[self._bundle(name)]
-        # a service reserves its bundle's share; the warm start and evaluations borrow the learner's
-        share = self.gpus.get(name, 0)
-        actor = _ServiceActor.options(
-            scheduling_strategy=self._strategy(name),
-            num_gpus=share,
-            name=f"{self.cfg.run.name}-{name}-{time.time_ns()}",
-        ).remote(name, module, list(args), str(self.logs), {**self._env(), **(env or {})})
+        la = self.cfg.launch
+        actor_name = f"{self.cfg.run.name}-{name}-{time.time_ns()}"
+        if name.startswith("generator") and name not in self.roles:  # added by the autoscaler
+            options: dict[str, Any] = {"num_cpus": la.cpus_per_service, "num_gpus": la.gpus_per_generator}
+            where = "a node Ray picks"
+        else:  # a service reserves its bundle's share; the warm start and evaluations borrow the learner's
+            options = {"scheduling_strategy": self._strategy(name), "num_gpus": self.gpus.get(name, 0)}
+            where = self.node_ip[self.roles[self._bundle(name)]]
+        actor = _ServiceActor.options(name=actor_name, **options).remote(
+            name, module, list(args), str(self.logs), {**self._env(), **(env or {})}
+        )
         svc = RayService(name, actor, self.logs / f"{name}.log")
         self.services.append(svc)
-        self.console.print(f"ray: {name} on {self.node_ip[role]}")
+        self.console.print(f"ray: {name} on {where}")
         return svc
 
     def _read_state(self, svc: ServiceHandle, path: Path) -> dict[str, int]:

@@ -91,6 +91,25 @@ class SimulatedGenerator:
             self.link.resend_due()
             self._follow_version()
             self.link.heartbeat()
+        if self._stop:
+            self.drain()
+
+    def drain(self, timeout_s: float = 10.0) -> None:
+        """Stopping, as the real generator does: take no more leases, finish what is held (and
+        get it acknowledged) within ``timeout_s``, give the rest back. No lease is lost."""
+        self.link.drain()
+        deadline = time.monotonic() + timeout_s
+        while (self.active or self.link.unacked) and time.monotonic() < deadline:
+            inbox = self.link.poll(5)
+            for lease in inbox.leases:  # sent before the hub saw the drain: finish those too
+                self._start(lease)
+            for lease_id in inbox.revoked:
+                self._drop(lease_id)
+            if self.active and not self.link.window_full():
+                self._step()
+            self.link.resend_due()
+            self.link.heartbeat()
+        self.link.release(sorted(self.link.lease_ids))
 
     def write_stats(self, path: str) -> None:
         import json

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,31 +33,37 @@ def launch(run_dir: Path, *overrides: str) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
-def watch(proc: subprocess.Popen[str], timeout_s: float, until: str | None = None) -> tuple[str, set[int]]:
-    """Read the launcher's output until it exits (or prints ``until``); collect every process
-    it started along the way, descendants included."""
+class Watched:
+    """The launcher's output, read on a thread (the launcher may print nothing for a while)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=lambda: self.lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+        self.thread.start()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def watch(proc: subprocess.Popen[str], timeout_s: float, until: str | None = None) -> tuple[Watched, set[int]]:
+    """Follow the launcher until it exits (or prints ``until``); collect every process it
+    started along the way, descendants included."""
+    out = Watched(proc)
     seen: set[int] = set()
-    out: list[str] = []
-    os.set_blocking(proc.stdout.fileno(), False)  # type: ignore[union-attr]
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and time.monotonic() < deadline:
-        chunk = proc.stdout.read()  # type: ignore[union-attr]
-        if chunk:
-            out.append(chunk)
         with contextlib.suppress(psutil.NoSuchProcess):
             seen |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
-        if until is not None and until in "".join(out):
+        if until is not None and until in out.text():
             break
         time.sleep(0.3)
-    if until is None:
-        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    return "".join(out), seen
+    return out, seen
 
 
-def finish(proc: subprocess.Popen[str], text: str) -> str:
+def finish(proc: subprocess.Popen[str], out: Watched) -> str:
     proc.wait(timeout=120)
-    rest = proc.stdout.read() or ""  # type: ignore[union-attr]
-    return text + rest
+    out.thread.join(timeout=30)
+    return out.text()
 
 
 def assert_no_orphans(pids: set[int]) -> None:
@@ -72,8 +79,8 @@ def assert_no_orphans(pids: set[int]) -> None:
 def test_quickstart_trains_end_to_end_and_writes_the_report(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--train.total_steps", "8", "--sft.steps", "20")
-    text, pids = watch(proc, timeout_s=600)
-    text = finish(proc, text)
+    out, pids = watch(proc, timeout_s=600)
+    text = finish(proc, out)
     assert proc.returncode == 0, text[-5000:]
     assert len(pids) >= 6  # redis, hub, reward (+ a worker), generator (+ vLLM's engine), learner
     assert_no_orphans(pids)
@@ -90,8 +97,8 @@ def test_quickstart_trains_end_to_end_and_writes_the_report(tmp_path: Path) -> N
 def test_a_failing_service_stops_the_run_and_is_named(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--sft.steps", "0", "--reward.functions", "tests.integration.reward_fns:no_such_fn")
-    text, pids = watch(proc, timeout_s=300)
-    text = finish(proc, text)
+    out, pids = watch(proc, timeout_s=300)
+    text = finish(proc, out)
     assert proc.returncode == 1, text[-3000:]
     assert "reward exited with code 2" in text and "has no function 'no_such_fn'" in text
     assert_no_orphans(pids)
@@ -100,12 +107,12 @@ def test_a_failing_service_stops_the_run_and_is_named(tmp_path: Path) -> None:
 def test_ctrl_c_shuts_everything_down(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--sft.steps", "0")
-    text, pids = watch(proc, timeout_s=300, until="waiting for 1 generator")
-    assert proc.poll() is None, text[-3000:]
+    out, pids = watch(proc, timeout_s=300, until="waiting for 1 generator")
+    assert proc.poll() is None, out.text()[-3000:]
     time.sleep(2)  # the generator is loading vLLM
     pids |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
     proc.send_signal(signal.SIGINT)
-    text = finish(proc, text)
+    text = finish(proc, out)
     assert proc.returncode == 130, text[-3000:]
     assert "interrupted" in text
     assert_no_orphans(pids)
@@ -114,8 +121,8 @@ def test_ctrl_c_shuts_everything_down(tmp_path: Path) -> None:
 def test_ray_launcher_runs_the_same_loop_as_actors(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--launch.launcher", "ray", "--train.total_steps", "4", "--sft.steps", "10")
-    text, pids = watch(proc, timeout_s=600)
-    text = finish(proc, text)
+    out, pids = watch(proc, timeout_s=600)
+    text = finish(proc, out)
     assert proc.returncode == 0, text[-5000:]
     assert "ray: placement group of 4 bundles on 1 node(s)" in text
     for service in ("hub", "reward", "generator0", "learner"):

@@ -1,0 +1,163 @@
+"""Generator autoscaling: the fleet follows what the learner can consume.
+
+Every ``autoscale.interval_s`` the controller reads the hub's metrics and compares two windows:
+
+- *too many generators*: for ``blocked_frac`` of the interval the generators had lease slots the
+  staleness bound kept empty (``admission_blocked_seconds``): the learner cannot use more data
+  than they make. Shrink by one.
+- *too few*: fewer ready groups wait than ``starving_ready_steps`` learner steps need, and the
+  generators use at least ``busy_utilisation`` of their slots: the learner waits for data the
+  fleet cannot make faster. Grow by one.
+
+Changes are one replica at a time, within [min, max], at most once per ``cooldown_s`` (a new
+generator needs time to load its model). A backend applies them: the launcher's own processes or
+Ray actors, or a shell command (the hook for compose and Kubernetes). New generators register,
+get the current weights at the next sync, then leases; removed ones drain first (they finish or
+give back what they hold), so no lease is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from flywheel.config import AutoscaleConfig
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    def replicas(self) -> int: ...
+
+    def scale_to(self, n: int) -> None: ...
+
+
+@dataclass
+class Signals:
+    """What one look at the hub shows (metric names as the hub exports them)."""
+
+    t: float
+    ready_groups: float
+    active_leases: float
+    generator_capacity: float
+    admission_blocked_s: float
+
+    @classmethod
+    def from_metrics(cls, m: dict[str, float], t: float) -> Signals:
+        return cls(
+            t=t,
+            ready_groups=m.get("ready_groups", 0.0),
+            active_leases=m.get("active_leases", 0.0),
+            generator_capacity=m.get("generator_capacity", 0.0),
+            admission_blocked_s=m.get("admission_blocked_seconds", 0.0),
+        )
+
+
+@dataclass
+class Decision:
+    target: int
+    why: str
+
+
+def decide(cfg: AutoscaleConfig, current: int, before: Signals, now: Signals, groups_per_step: int) -> Decision:
+    """The next replica count from two looks at the hub; a pure function (unit-tested)."""
+    dt = max(now.t - before.t, 1e-9)
+    blocked = (now.admission_blocked_s - before.admission_blocked_s) / dt
+    utilisation = now.active_leases / now.generator_capacity if now.generator_capacity else 0.0
+    ready_steps = now.ready_groups / max(groups_per_step, 1)
+    if current < cfg.min_generators:
+        return Decision(cfg.min_generators, f"below the minimum {cfg.min_generators}")
+    if current > cfg.max_generators:
+        return Decision(cfg.max_generators, f"above the maximum {cfg.max_generators}")
+    if blocked >= cfg.blocked_frac and current > cfg.min_generators:
+        return Decision(current - 1, f"generators idle under the staleness bound {blocked:.0%} of the time")
+    starving = ready_steps < cfg.starving_ready_steps and utilisation >= cfg.busy_utilisation
+    if starving and blocked < cfg.blocked_frac / 2 and current < cfg.max_generators:
+        return Decision(
+            current + 1, f"learner starving ({ready_steps:.1f} steps ready) with generators busy ({utilisation:.0%})"
+        )
+    return Decision(current, "steady")
+
+
+class Autoscaler:
+    def __init__(
+        self,
+        cfg: AutoscaleConfig,
+        backend: Backend,
+        metrics: Callable[[], dict[str, float]],
+        groups_per_step: int,
+    ) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.metrics = metrics
+        self.groups_per_step = groups_per_step
+        self.history: list[tuple[float, int, str]] = []  # (time, replicas, why) of every change
+        self._last: Signals | None = None
+        self._last_change = -1e18
+
+    def tick(self, now: float | None = None) -> Decision | None:
+        """Look at the hub if an interval has passed; scale if the rules say so."""
+        now = time.monotonic() if now is None else now
+        if self._last is not None and now - self._last.t < self.cfg.interval_s:
+            return None
+        m = self.metrics()
+        if not m:
+            return None  # the hub is not answering: change nothing on no information
+        signals = Signals.from_metrics(m, now)
+        before, self._last = self._last, signals
+        if before is None:
+            return None
+        current = self.backend.replicas()
+        decision = decide(self.cfg, current, before, signals, self.groups_per_step)
+        if decision.target != current and now - self._last_change >= self.cfg.cooldown_s:
+            log.info("autoscale: %d -> %d generators (%s)", current, decision.target, decision.why)
+            self.backend.scale_to(decision.target)
+            self._last_change = now
+            self.history.append((now, decision.target, decision.why))
+        return decision
+
+
+class CommandBackend:
+    """The hook for deployments the launcher does not own: ``docker compose ... --scale
+    generator={replicas}``, ``kubectl scale deployment/generator --replicas={replicas}``."""
+
+    def __init__(self, command: str, start: int) -> None:
+        self.command = command
+        self.n = start
+
+    def replicas(self) -> int:
+        return self.n
+
+    def scale_to(self, n: int) -> None:
+        argv = shlex.split(self.command.format(replicas=n))
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            log.warning("autoscale command failed (%d): %s", result.returncode, result.stderr[-500:])
+            return
+        self.n = n
+
+
+class ServiceBackend:
+    """Generators the launcher (or a test) starts and stops itself: ``start(i)`` returns a
+    handle with ``stop()``; the newest go first on scale-down (SIGTERM: they drain)."""
+
+    def __init__(self, start: Callable[[int], Any], stop: Callable[[Any], None], running: list[Any]) -> None:
+        self._start = start
+        self._stop = stop
+        self.running = running
+        self._next = len(running)
+
+    def replicas(self) -> int:
+        return len(self.running)
+
+    def scale_to(self, n: int) -> None:
+        while len(self.running) < n:
+            self.running.append(self._start(self._next))
+            self._next += 1
+        while len(self.running) > n:
+            self._stop(self.running.pop())

@@ -1,0 +1,93 @@
+"""Generator autoscaling against a real hub: a fast learner grows the fleet, a slow one shrinks
+it, and no lease is lost either way (scaled-down generators drain first)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from flywheel.autoscale import Autoscaler, ServiceBackend
+from flywheel.config import load_config
+from flywheel.hub_client import BatchClient, BatchTimeout
+from flywheel.procs import Service
+from flywheel.staleness import StalenessPolicy
+from tests.conftest import Cluster, wait_until
+
+GPS = 2
+
+
+def learner_loop(cluster: Cluster, step_s: float, stop: threading.Event) -> None:
+    """Claims a step of groups, 'trains' for ``step_s``, bumps the version, until stopped."""
+    client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(4, GPS))
+    v = 0
+    while not stop.is_set():
+        try:
+            client.claim(GPS, v, timeout_s=1)
+        except BatchTimeout:
+            continue
+        time.sleep(step_s)
+        v += 1
+        client.set_version(v)
+
+
+def run_fleet(
+    cluster: Cluster, start: int, step_s: float, tokens_per_s: str, until: int, timeout_s: float
+) -> list[int]:
+    cluster.start_hub(
+        "--async.max_staleness", "4", "--async.groups_per_step", str(GPS), "--data.n_samples_per_prompt", "2",
+        "--data.epochs", "1000", "--hub.generator_timeout_s", "3",
+    )  # fmt: skip
+    cluster.start_reward()
+
+    def start_gen(i: int) -> Service:
+        args = ("--min-len", "16", "--max-len", "48", "--capacity", "1", "--tokens-per-s", tokens_per_s)
+        return cluster.start_simgen(f"auto{i}", *args, "--seed", str(i))
+
+    backend = ServiceBackend(start_gen, lambda svc: svc.stop(), [])
+    backend.scale_to(start)
+    cfg = load_config(
+        ["--autoscale.min_generators", "1", "--autoscale.max_generators", "3", "--autoscale.interval_s", "1",
+         "--autoscale.cooldown_s", "2"],
+    ).autoscale  # fmt: skip
+
+    def metrics() -> dict[str, float]:
+        m = cluster.metrics()
+        return {k.removeprefix("flywheel_hub_").removesuffix("_total"): v for k, v in m.items() if "{" not in k}
+
+    scaler = Autoscaler(cfg, backend, metrics, groups_per_step=GPS)
+    stop = threading.Event()
+    learner = threading.Thread(target=learner_loop, args=(cluster, step_s, stop), daemon=True)
+    learner.start()
+    counts = [backend.replicas()]
+    try:
+        deadline = time.monotonic() + timeout_s
+        while backend.replicas() != until and time.monotonic() < deadline:
+            scaler.tick()
+            counts.append(backend.replicas())
+            time.sleep(0.2)
+        time.sleep(2)  # the last retired generator's leases are finished or given back
+    finally:
+        stop.set()
+        learner.join(10)
+    m = cluster.metrics()
+    assert m["flywheel_hub_leases_reissued_total"] == 0, "a lease was lost and re-issued after its deadline"
+    assert m["flywheel_hub_generators_evicted_total"] == 0
+    return [c for i, c in enumerate(counts) if i == 0 or c != counts[i - 1]]
+
+
+def test_a_fast_learner_grows_the_fleet(cluster: Cluster) -> None:
+    # slow generators (300 tokens/s each), a learner that trains instantly: it starves
+    counts = run_fleet(cluster, start=1, step_s=0.0, tokens_per_s="300", until=3, timeout_s=60)
+    assert counts == [1, 2, 3], counts
+    wait_until(lambda: cluster.metrics()["flywheel_hub_generators"] == 3, 10, "3 generators registered")
+
+
+def test_a_slow_learner_shrinks_the_fleet_without_losing_a_lease(cluster: Cluster) -> None:
+    # fast generators, a learner that takes 1.5 s a step: the staleness bound keeps them idle
+    counts = run_fleet(cluster, start=3, step_s=1.5, tokens_per_s="5000", until=1, timeout_s=60)
+    assert counts == [3, 2, 1], counts
+    m = cluster.metrics()
+    assert m["flywheel_hub_admission_blocked_seconds_total"] > 2
+    # the retired ones drained and left: counted as departures, not evictions
+    wait_until(lambda: cluster.metrics()["flywheel_hub_generators_departed_total"] == 2, 15, "2 generators left")
+    assert cluster.metrics()["flywheel_hub_generators_evicted_total"] == 0

@@ -1,0 +1,67 @@
+"""The autoscaling rules (a pure function) and the controller's interval and cooldown."""
+
+from __future__ import annotations
+
+from flywheel.autoscale import Autoscaler, ServiceBackend, Signals, decide
+from flywheel.config import load_config
+
+CFG = load_config(["--autoscale.min_generators", "1", "--autoscale.max_generators", "3"]).autoscale
+
+
+def look(t: float, ready: float = 0, active: float = 8, capacity: float = 8, blocked_s: float = 0) -> Signals:
+    return Signals(
+        t=t, ready_groups=ready, active_leases=active, generator_capacity=capacity, admission_blocked_s=blocked_s
+    )
+
+
+def test_blocked_generators_shrink_the_fleet_down_to_the_minimum() -> None:
+    before, now = look(0, ready=10, active=2, blocked_s=0), look(10, ready=10, active=2, blocked_s=8)
+    assert decide(CFG, 3, before, now, groups_per_step=4).target == 2
+    assert decide(CFG, 1, before, now, groups_per_step=4).target == 1  # the minimum holds
+    assert decide(CFG, 2, before, look(10, ready=10, active=2, blocked_s=2), 4).target == 2  # 20% blocked: steady
+
+
+def test_a_starving_learner_with_busy_generators_grows_the_fleet_up_to_the_maximum() -> None:
+    before, now = look(0), look(10, ready=1, active=7, capacity=8)
+    assert decide(CFG, 1, before, now, groups_per_step=4).target == 2
+    assert decide(CFG, 3, before, now, groups_per_step=4).target == 3  # the maximum holds
+    idle = look(10, ready=1, active=2, capacity=8)  # generators not busy: more would not help
+    assert decide(CFG, 1, before, idle, groups_per_step=4).target == 1
+    fed = look(10, ready=8, active=8, capacity=8)  # two steps ready: the learner is fed
+    assert decide(CFG, 1, before, fed, groups_per_step=4).target == 1
+
+
+def test_out_of_bounds_counts_are_brought_back() -> None:
+    assert decide(CFG, 0, look(0), look(1), 4).target == 1
+    assert decide(CFG, 5, look(0), look(1), 4).target == 3
+
+
+def test_the_controller_waits_its_interval_and_cooldown() -> None:
+    cfg = CFG.model_copy(update={"interval_s": 1.0, "cooldown_s": 5.0})
+    started: list[int] = []
+    backend = ServiceBackend(lambda i: started.append(i) or i, lambda svc: None, [0])
+    m = {"ready_groups": 0.0, "active_leases": 8.0, "generator_capacity": 8.0, "admission_blocked_seconds": 0.0}
+    scaler = Autoscaler(cfg, backend, lambda: m, groups_per_step=4)
+    assert scaler.tick(now=0.0) is None  # the first look only sets the baseline
+    assert scaler.tick(now=0.5) is None  # within the interval
+    assert scaler.tick(now=1.0).target == 2 and backend.replicas() == 2  # type: ignore[union-attr]
+    scaler.tick(now=2.0)  # still starving, but in the cooldown
+    assert backend.replicas() == 2
+    scaler.tick(now=6.5)
+    assert backend.replicas() == 3 and started == [1, 2]
+    assert [h[1] for h in scaler.history] == [2, 3]
+    assert scaler.tick(now=20.0).target == 3  # type: ignore[union-attr]  # the maximum
+
+
+def test_the_command_backend_runs_the_deployment_hook(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import sys
+
+    from flywheel.autoscale import CommandBackend
+
+    out = tmp_path / "replicas"
+    hook = CommandBackend(f"{sys.executable} -c \"open('{out}', 'w').write('{{replicas}}')\"", start=1)
+    hook.scale_to(3)
+    assert out.read_text() == "3" and hook.replicas() == 3
+    failing = CommandBackend(f"{sys.executable} -c 'raise SystemExit(1)'", start=2)
+    failing.scale_to(4)  # logged, and the count stays what the deployment has
+    assert failing.replicas() == 2
