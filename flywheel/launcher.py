@@ -177,7 +177,8 @@ class LocalLaunch:
 
     def _warm_start(self, model: str) -> str:
         out = self.run_dir / "sft_model"
-        self.console.print(f"warm start: {self.cfg.sft.steps} supervised steps on the task's format ...")
+        what = "random answers: the format only" if self.cfg.sft.format_only else "reference answers"
+        self.console.print(f"warm start: {self.cfg.sft.steps} supervised steps ({what}) ...")
         svc = self._service("sft", "learner.sft", "--out", str(out), *self._flags("--train.model", model))
         self._wait_exit(svc, self.cfg.launch.ready_timeout_s)
         result = json.loads((out / "warm_start.json").read_text())

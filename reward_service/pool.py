@@ -104,6 +104,9 @@ class WorkerPool:
                         results.append((w.batch, msg))
                         w.batch = []
             except (EOFError, OSError):
+                if not w.ready:  # it never started: restarting would fail the same way, forever
+                    w.proc.join(timeout=5)
+                    raise PoolError(f"reward worker exited with code {w.proc.exitcode} before it was ready") from None
                 failure = f"crash: worker exited with code {w.proc.exitcode}"
             if failure is None and w.busy and now - w.sent_at > self.timeout_s:
                 failure = f"timeout: no answer within reward.timeout_s = {self.timeout_s:g}s"

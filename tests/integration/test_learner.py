@@ -32,7 +32,7 @@ def start_learner(cluster: Cluster, checkpoint: Path, world: int, *overrides: st
         "--train.lr",
         "1e-4",
         "--train.micro_batch_tokens",
-        "64",  # several micro-batches per step: accumulation is exercised
+        "32",  # several micro-batches per step (4 samples of 12+ tokens): accumulation is exercised
         "--sync.announce_port",
         str(free_port()),
         "--sync.join_port",
