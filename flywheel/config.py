@@ -740,6 +740,19 @@ def help_text(prog: str, what: str) -> str:
     return "\n".join(lines)
 
 
+def pop_flags(argv: list[str], *flags: str) -> dict[str, str] | str:
+    """Take ``--flag VALUE`` pairs that are not config keys out of ``argv`` (in place); returns
+    them by flag, or the message naming the first one missing."""
+    found = {}
+    for flag in flags:
+        if flag not in argv or argv.index(flag) + 1 >= len(argv):
+            return f"{flag} VALUE is required"
+        i = argv.index(flag)
+        found[flag] = argv[i + 1]
+        del argv[i : i + 2]
+    return found
+
+
 def service_config(prog: str, what: str, argv: list[str]) -> FlywheelConfig | int:
     """A service entry point's first step: the parsed config, or an exit code after printing
     the help (0) or what to fix (2). Imports nothing heavy."""

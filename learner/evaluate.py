@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flywheel.config import FlywheelConfig, service_config
+from flywheel.config import FlywheelConfig, pop_flags, service_config
 from flywheel.tasks import arithmetic_correct, arithmetic_eval_rows
 
 
@@ -41,14 +41,10 @@ def evaluate(model_dir: str | Path, cfg: FlywheelConfig, batch_size: int = 128) 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    picked: dict[str, str] = {}
-    for flag in ("--model", "--out"):
-        if flag not in args:
-            print(f"learner.evaluate: {flag} is required", file=sys.stderr)
-            return 2
-        i = args.index(flag)
-        picked[flag] = args[i + 1]
-        del args[i : i + 2]
+    picked = pop_flags(args, "--model", "--out")
+    if isinstance(picked, str):
+        print(f"learner.evaluate: {picked}", file=sys.stderr)
+        return 2
     cfg = service_config("learner.evaluate", "Greedy accuracy of a policy on the synthetic task.", args)
     if isinstance(cfg, int):
         return cfg

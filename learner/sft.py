@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from flywheel.config import FlywheelConfig, service_config
+from flywheel.config import FlywheelConfig, pop_flags, service_config
 from flywheel.logs import setup_logging
 from flywheel.tasks import answer_range, arithmetic_rows
 
@@ -67,12 +67,11 @@ def warm_start(cfg: FlywheelConfig, output_dir: str | Path) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if "--out" not in args:
-        print("learner.sft: --out DIR is required", file=sys.stderr)
+    picked = pop_flags(args, "--out")
+    if isinstance(picked, str):
+        print(f"learner.sft: {picked}", file=sys.stderr)
         return 2
-    i = args.index("--out")
-    out = args[i + 1]
-    del args[i : i + 2]
+    out = picked["--out"]
     cfg = service_config("learner.sft", "Supervised warm start on the task's format.", args)
     if isinstance(cfg, int):
         return cfg

@@ -182,7 +182,7 @@ async def serve(cfg: RewardModelConfig, stop: asyncio.Event) -> None:
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = int(runner.addresses[0][1])  # the bound port (rm.port 0 picks a free one)
     log.info("reward model %s on %s, serving http://%s:%d/score", cfg.model, model.device, cfg.host, port)
     if cfg.state_file:
         tmp = Path(cfg.state_file).with_suffix(".tmp")
