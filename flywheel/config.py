@@ -491,15 +491,21 @@ class LaunchConfig(_Section):
     """`flywheel run`: which services it starts, and where the run's files go."""
 
     launcher: Literal["local", "ray"] = Field("local", description="Processes on this machine, or Ray actors.")
-    run_dir: str | None = Field(None, description="Logs, model, metrics and the report. Unset: runs/<run.name>.")
+    run_dir: str | None = Field(
+        None,
+        description="Logs, model, Redis AOF, metrics and the report. Unset: runs/<run.name>. A previous run "
+        "found there is moved to <run_dir>.1 (.2, ...) unless train.resume is set.",
+    )
     services: list[ServiceName] = Field(
         default_factory=lambda: list(get_args(ServiceName)),
         description="Services to start; leave one out to use a running one (redis.url, reward.hub_address, "
         "generator.hub_address name it).",
     )
     generators: int = Field(1, ge=0, le=1024, description="vLLM generator services started at first.")
-    tiny_model: Literal["tiny", "small", "medium", "large"] | None = Field(
-        None, description="Build a Llama of this size from code (with its tokenizer) when train.model is unset."
+    tiny_model: Literal["tiny", "small", "medium", "large", "0.5b"] | None = Field(
+        None,
+        description="Build a Llama of this size from code (with its tokenizer) when train.model is unset; "
+        "flywheel.tiny.SIZES gives the shapes (0.5b: 0.49B parameters, for GPUs).",
     )
     learner_procs: int = Field(1, ge=1, le=1024, description="Learner ranks (data parallel, via torchrun).")
     learner_threads: int = Field(1, ge=1, le=1024, description="OMP threads per learner rank (CPUs).")

@@ -8,6 +8,10 @@ register) -> the learner. Then one live display for the whole system until the l
 A service that exits early stops the run: everything is shut down (generators drain, Redis
 last) and the launcher names the service, its exit code and the end of its log. Ctrl-C does the
 same. Each service runs in its own process group and gets SIGTERM if the launcher itself dies.
+
+GPUs: on a machine with CUDA GPUs each GPU service gets its own (``assign_gpus``): the learner's
+ranks the first ones, then each generator as many as its tensor-parallel size; the warm start and
+the evaluations run on the learner's.
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
+import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +59,55 @@ class Timeline:
     gen_tokens_per_s: list[float] = field(default_factory=list)
     ready_groups: list[float] = field(default_factory=list)
     learner_version: list[float] = field(default_factory=list)
+    # the hub's own counters at each sample: what the report's generator figures are made of
+    tokens_in: list[float] = field(default_factory=list)
+    active_leases: list[float] = field(default_factory=list)
+    admission_blocked_s: list[float] = field(default_factory=list)
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this machine's services may use: CUDA_VISIBLE_DEVICES when set, else the ones
+    nvidia-smi lists (none without NVIDIA's driver). Asks no CUDA library."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip()]
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return out.stdout.split() if out.returncode == 0 else []
+
+
+def assign_gpus(gpus: list[str], learner_ranks: int, generator_gpus: list[int]) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES of each GPU service: the learner's ranks take the first GPUs, generator
+    ``i`` the next ``generator_gpus[i]``; the warm start and the evaluations use the learner's.
+    Empty when there are fewer GPUs than that needs (then no service gets its own)."""
+    if len(gpus) < learner_ranks + sum(generator_gpus):
+        return {}
+    learner = ",".join(gpus[:learner_ranks])
+    plan = {"learner": learner, "sft": learner, "eval_start": learner, "eval_end": learner}
+    at = learner_ranks
+    for i, n in enumerate(generator_gpus):
+        plan[f"generator{i}"] = ",".join(gpus[at : at + n])
+        at += n
+    return plan
+
+
+def set_aside(run_dir: Path) -> Path | None:
+    """Move a previous run out of ``run_dir`` (to ``run_dir.1``, ``.2``, ...) so a new run starts
+    clean: its Redis would otherwise reload the old run's AOF (versions, queues, leases) and the
+    learner would start behind the hub. Returns where it went; None when there was nothing."""
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return None
+    n = 1
+    while run_dir.with_name(f"{run_dir.name}.{n}").exists():
+        n += 1
+    return run_dir.rename(run_dir.with_name(f"{run_dir.name}.{n}"))
 
 
 class LocalLaunch:
@@ -59,6 +115,9 @@ class LocalLaunch:
         self.cfg = cfg
         self.console = console or Console()
         self.run_dir = Path(cfg.launch.run_dir or Path("runs") / cfg.run.name).resolve()
+        moved = set_aside(self.run_dir) if not cfg.train.resume else None
+        if moved is not None:
+            self.console.print(f"the previous run in {self.run_dir} was moved to {moved}")
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.services: list[ServiceHandle] = []
@@ -109,9 +168,30 @@ class LocalLaunch:
     def _service(self, name: str, module: str, *args: str, env: dict[str, str] | None = None) -> ServiceHandle:
         """Start ``python -m module args`` as the service ``name``; returns a handle with name,
         alive(), returncode, stop(), tail() and log_path (``procs.Service``)."""
-        svc = Service(name, module, list(args), self.logs, env={**self._env(), **(env or {})})
+        gpu = {"CUDA_VISIBLE_DEVICES": self.gpu_plan[name]} if name in self.gpu_plan else {}
+        svc = Service(name, module, list(args), self.logs, env={**self._env(), **gpu, **(env or {})})
         self.services.append(svc)
         return svc
+
+    @cached_property
+    def gpu_plan(self) -> dict[str, str]:
+        """Service name -> its CUDA_VISIBLE_DEVICES (``assign_gpus``); empty on a machine without GPUs."""
+        cfg = self.cfg
+        gpus = visible_gpus()
+        if not gpus:
+            return {}
+        generators = cfg.autoscale.max_generators if cfg.autoscale.enabled else cfg.launch.generators
+        tp = cfg.generator.tensor_parallel_size
+        plan = assign_gpus(gpus, cfg.launch.learner_procs, [tp] * generators)
+        if plan:
+            shown = {k: v for k, v in plan.items() if k == "learner" or k.startswith("generator")}
+            self.console.print(f"GPUs: {shown}")
+        else:
+            self.console.print(
+                f"[bold yellow]GPUs: {len(gpus)} for {cfg.launch.learner_procs} learner rank(s) + {generators} "
+                f"generator(s) x {tp}: not enough for one each, so every service sees all of them"
+            )
+        return plan
 
     @staticmethod
     def _env() -> dict[str, str]:
@@ -355,6 +435,9 @@ class LocalLaunch:
         tl.gen_tokens_per_s.append(m.get("ingest_tokens_per_s", 0.0))
         tl.ready_groups.append(m.get("ready_groups", 0.0))
         tl.learner_version.append(m.get("learner_version", 0.0))
+        tl.tokens_in.append(m.get("tokens_in", 0.0))
+        tl.active_leases.append(m.get("active_leases", 0.0))
+        tl.admission_blocked_s.append(m.get("admission_blocked_seconds", 0.0))
 
     def _line(self, last: dict[str, Any]) -> str:
         hub = getattr(self, "_last_hub", {})

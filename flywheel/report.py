@@ -28,6 +28,38 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
+def loop_figures(rows: list[dict[str, Any]], timeline: Any) -> dict[str, float]:
+    """Both sides over the learner's training window (its first step's start to its last step's
+    end), from the learner's metrics and the hub's counters the launcher sampled:
+
+    - ``learner_tokens_per_s_wall``: tokens trained on (prompts and responses) per second of window;
+    - ``generator_tokens_per_s_wall``: tokens generated per second of window;
+    - ``generator_no_work_frac``: share of samples at which no lease was out (nothing to generate);
+    - ``generator_blocked_frac``: share of the window the staleness bound kept free slots empty.
+    """
+    if not rows:
+        return {}
+    start = rows[0]["time"] - rows[0].get("perf/step_s", 0.0) - timeline.start_wall
+    end = rows[-1]["time"] - timeline.start_wall
+    out = {
+        "train_window_s": end - start,
+        "learner_step_s": _mean([r.get("perf/step_s", 0.0) for r in rows]),
+        "learner_tokens": sum(r.get("perf/tokens", 0.0) for r in rows),
+    }
+    out["learner_tokens_per_s_wall"] = out["learner_tokens"] / max(end - start, 1e-9)
+    inside = [i for i, t in enumerate(timeline.t) if start <= t <= end]
+    if len(inside) >= 2:
+        first, last = inside[0], inside[-1]
+        seconds = timeline.t[last] - timeline.t[first]
+        out["generator_tokens"] = timeline.tokens_in[last] - timeline.tokens_in[first]
+        out["generator_tokens_per_s_wall"] = out["generator_tokens"] / seconds
+        out["generator_no_work_frac"] = _mean([float(timeline.active_leases[i] == 0) for i in inside])
+        out["generator_blocked_frac"] = (
+            timeline.admission_blocked_s[last] - timeline.admission_blocked_s[first]
+        ) / seconds
+    return out
+
+
 def write_report(
     run_dir: Path,
     cfg: FlywheelConfig,
@@ -63,6 +95,7 @@ def write_report(
         "learner_idle_frac": _mean([r.get("perf/idle_frac", 0.0) for r in rows]),
         "learner_tokens_per_s": _mean([r.get("perf/tokens_per_s", 0.0) for r in rows]),
         "generator_tokens_per_s": _mean([x for x in timeline.gen_tokens_per_s if x > 0]),
+        **loop_figures(rows, timeline),
     }
     if eval_start is not None:
         summary["accuracy_start"] = eval_start["accuracy"]

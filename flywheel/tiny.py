@@ -45,12 +45,13 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> Path:
 
 
 SIZES = {
-    # name: (hidden, layers, attention heads, kv heads); vocab 512 -> parameter counts below
-    "tiny": (128, 2, 4, 2),  # ~0.4M
-    "small": (256, 4, 4, 2),  # ~2M
-    "medium": (512, 8, 8, 4),  # ~19M
-    "large": (768, 10, 12, 4),  # ~52M
-    "1b": (2048, 16, 16, 8),  # ~0.9B with vocab 32000 (GPU measurements)
+    # name: (hidden, layers, attention heads, kv heads, MLP width); vocab 512 -> parameter counts below
+    "tiny": (128, 2, 4, 2, 256),  # ~0.4M
+    "small": (256, 4, 4, 2, 512),  # ~2M
+    "medium": (512, 8, 8, 4, 1024),  # ~19M
+    "large": (768, 10, 12, 4, 1536),  # ~52M
+    "0.5b": (1024, 24, 16, 8, 5632),  # 491,832,320 (the two-GPU loop benchmark)
+    "1b": (2048, 16, 16, 8, 5632),  # ~0.9B with vocab 32000 (GPU measurements)
 }
 
 
@@ -64,12 +65,12 @@ def model_config(
         raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"unknown arch {arch!r}; choose llama or qwen2")
-    h, n_layers, heads, kv_heads = SIZES[size]
+    h, n_layers, heads, kv_heads, mlp = SIZES[size]
     hidden = hidden or h
     return (LlamaConfig if arch == "llama" else Qwen2Config)(
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=hidden * 2 if size != "1b" else 5632,
+        intermediate_size=mlp * hidden // h,  # the preset's MLP width, scaled with a hidden override
         num_hidden_layers=layers or n_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,

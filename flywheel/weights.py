@@ -17,8 +17,10 @@ Importing this module imports torch; config-only code paths must not import it.
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -30,6 +32,10 @@ from flywheel.wire import BucketLayout, WeightsReady
 
 ALIGN = 64
 """Byte alignment of every tensor inside a bucket."""
+CLOSE_TIMEOUT_S = 10.0
+"""How long closing an NCCL group may take before it is left behind."""
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -111,11 +117,28 @@ def pack_bucket(
     """Copy ``tensors`` (in layout order) into one flat uint8 buffer (``out`` when given: reusing
     a buffer saves the page faults of a fresh allocation, which cost as much as the copy)."""
     buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device) if out is None else out[: layout.nbytes]
-    spans = tensor_offsets(layout)
-    dst = [buf[off : off + n] for off, n in spans]
-    src = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    torch._foreach_copy_(dst, src)  # one multi-tensor copy instead of a kernel launch per tensor
+    by_width: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for t, (off, n) in zip(tensors, tensor_offsets(layout), strict=True):
+        dst, src = _as_widest(buf[off : off + n], t.detach().contiguous().reshape(-1).view(torch.uint8))
+        pair = by_width.setdefault(dst.dtype, ([], []))
+        pair[0].append(dst)
+        pair[1].append(src)
+    for dsts, srcs in by_width.values():
+        torch._foreach_copy_(dsts, srcs)  # one multi-tensor copy per width instead of a launch per tensor
     return buf
+
+
+def _as_widest(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two same-sized byte views, reinterpreted as the widest integers both divide into.
+
+    A GPU copy kernel moves a few elements per thread, so copying as bytes runs at a fraction of
+    the memory bandwidth (a 1 GB bucket took 4.4 ms on an H200, against 2.8 ms to broadcast it);
+    as 8-byte words it runs near the bandwidth. Bit patterns are moved, never converted."""
+    for wide in (torch.int64, torch.int32, torch.int16):
+        size = wide.itemsize
+        if dst.numel() % size == 0 and dst.data_ptr() % size == 0 and src.data_ptr() % size == 0:
+            return dst.view(wide), src.view(wide)
+    return dst, src
 
 
 def unpack_bucket(buf: torch.Tensor, layout: BucketLayout) -> Iterator[tuple[str, torch.Tensor]]:
@@ -177,8 +200,22 @@ class WeightGroup:
         self.finish(self.start(buf))
 
     def close(self) -> None:
-        with contextlib.suppress(RuntimeError, AttributeError):  # already broken: nothing to release
-            self.pg.shutdown()
+        """Release the group. NCCL's orderly shutdown is collective (it waits until every rank
+        shuts down), so a learner that stops while its generators serve on would hang in it: an
+        NCCL group is aborted instead, which needs no peer, on a thread given a few seconds."""
+        if type(self.pg).__name__ != "ProcessGroupNCCL":
+            _quietly(self.pg.shutdown)
+            return
+        aborting = threading.Thread(target=_quietly, args=(self.pg.abort,), daemon=True)
+        aborting.start()
+        aborting.join(CLOSE_TIMEOUT_S)
+        if aborting.is_alive():
+            log.warning("the NCCL weight group did not abort within %.0fs: left behind", CLOSE_TIMEOUT_S)
+
+
+def _quietly(release: Callable[[], Any]) -> None:
+    with contextlib.suppress(RuntimeError, AttributeError):  # already broken: nothing to release
+        release()
 
 
 def host_store(host: str, timeout_s: float) -> dist.TCPStore:

@@ -31,3 +31,14 @@ def test_sizes_and_shapes(tmp_path: Path) -> None:
     n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
     assert 1_000_000 < n < 5_000_000
     assert (path / "tokenizer.json").exists()
+
+
+def test_the_half_billion_preset_has_the_documented_size() -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from flywheel.tiny import model_config
+
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        model = AutoModelForCausalLM.from_config(model_config("llama", "0.5b"))
+    assert sum(p.numel() for p in model.parameters()) == 491_832_320

@@ -138,3 +138,32 @@ def test_receive_buffers_are_reused_only_once_no_view_remains() -> None:
     del third
     fourth = _recv_buffer(group, 32, 128)
     assert len(group.recv_pool) <= 4 and fourth.numel() == 32
+
+
+def test_closing_an_nccl_group_aborts_it_without_waiting_for_peers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A learner that stops while its generators serve on must not hang in NCCL's collective
+    shutdown (seen on 2×H200): the group is aborted, and closing returns even if that stalls."""
+    import threading
+
+    from flywheel import weights
+
+    stalled = threading.Event()
+
+    class ProcessGroupNCCL:  # what close() tells NCCL groups apart by
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def shutdown(self) -> None:
+            self.calls.append("shutdown")
+
+        def abort(self) -> None:
+            self.calls.append("abort")
+            stalled.wait(30)  # an abort that does not come back
+
+    monkeypatch.setattr(weights, "CLOSE_TIMEOUT_S", 0.2)
+    pg = ProcessGroupNCCL()
+    start = time.monotonic()
+    weights.WeightGroup(pg, 0, 2, 1, torch.device("cpu")).close()
+    stalled.set()
+    assert pg.calls == ["abort"]
+    assert time.monotonic() - start < 5

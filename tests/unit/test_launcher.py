@@ -1,0 +1,111 @@
+"""`flywheel run`: a new run starts in a clean run directory; on a GPU machine each GPU service
+gets its own GPUs, and the report's loop figures (both sides' throughput and idle shares) come
+from the training window alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flywheel import launcher
+from flywheel.config import load_config
+from flywheel.launcher import LocalLaunch, Timeline, assign_gpus, set_aside, visible_gpus
+from flywheel.report import loop_figures
+
+
+def test_a_new_run_sets_the_previous_one_aside(tmp_path: Path) -> None:
+    """A reused run directory once made the new run's Redis reload the old run's AOF (the learner
+    started 200 versions behind the hub); now the old run moves to <dir>.1, .2, ..."""
+    run_dir = tmp_path / "run"
+    assert set_aside(run_dir) is None  # nothing there yet
+    (run_dir / "redis").mkdir(parents=True)
+    (run_dir / "redis" / "appendonly.aof").write_text("old")
+    assert set_aside(run_dir) == tmp_path / "run.1"
+    (run_dir / "logs").mkdir(parents=True)
+    assert set_aside(run_dir) == tmp_path / "run.2"
+    assert (tmp_path / "run.1" / "redis" / "appendonly.aof").read_text() == "old"
+    (run_dir / "logs").mkdir(parents=True)
+    LocalLaunch(load_config(["--launch.run_dir", str(run_dir), "--train.resume", "true"]))  # resuming: kept
+    assert (run_dir / "logs").is_dir() and not (tmp_path / "run.3").exists()
+    LocalLaunch(load_config(["--launch.run_dir", str(run_dir)]))
+    assert (tmp_path / "run.3" / "logs").is_dir() and not any((run_dir / "logs").iterdir())
+
+
+def test_learner_first_then_each_generator_its_tensor_parallel_share() -> None:
+    assert assign_gpus(["0", "1"], 1, [1]) == {
+        "learner": "0",
+        "sft": "0",
+        "eval_start": "0",
+        "eval_end": "0",
+        "generator0": "1",
+    }
+    plan = assign_gpus([str(i) for i in range(8)], 2, [2, 2, 1])
+    assert (plan["learner"], plan["generator0"], plan["generator1"], plan["generator2"]) == ("0,1", "2,3", "4,5", "6")
+
+
+def test_too_few_gpus_assign_none() -> None:
+    assert assign_gpus(["0"], 1, [1]) == {}
+    assert assign_gpus([], 1, [1]) == {}
+    assert assign_gpus(["0", "1", "2"], 1, [2, 2]) == {}
+
+
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 5")
+    assert visible_gpus() == ["2", "5"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == []
+
+
+class FakeService:
+    """Records what the launcher would start instead of starting it."""
+
+    started: list[FakeService] = []
+
+    def __init__(self, name: str, module: str, args: list[str], log_dir: Path, env: dict[str, str]) -> None:
+        self.name, self.env = name, env
+        FakeService.started.append(self)
+
+
+def _launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: list[str], *flags: str) -> LocalLaunch:
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(launcher, "Service", FakeService)
+    FakeService.started = []
+    cfg = load_config(["--launch.run_dir", str(tmp_path), *flags])
+    return LocalLaunch(cfg)
+
+
+def test_services_start_on_their_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    launch = _launch(tmp_path, monkeypatch, ["0", "1", "2"], "--launch.generators", "2")
+    for name in ("sft", "hub", "reward", "generator0", "generator1", "learner"):
+        launch._service(name, "module")
+    env: dict[str, Any] = {s.name: s.env.get("CUDA_VISIBLE_DEVICES") for s in FakeService.started}
+    assert env == {"sft": "0", "hub": None, "reward": None, "generator0": "1", "generator1": "2", "learner": "0"}
+
+
+def test_without_enough_gpus_services_see_them_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    launch = _launch(tmp_path, monkeypatch, ["0"])
+    launch._service("learner", "learner")
+    launch._service("generator0", "generators")
+    assert all("CUDA_VISIBLE_DEVICES" not in s.env for s in FakeService.started)
+
+
+def test_loop_figures_count_only_the_training_window() -> None:
+    tl = Timeline(start_wall=1000.0)
+    # before training (t < 10) the generator idles with no lease out; inside, leases are out
+    # except at one sample of five, and admission is blocked 1 s of every 2
+    for t in range(0, 31, 2):
+        tl.t.append(float(t))
+        tl.tokens_in.append(100.0 * max(0, t - 10))
+        tl.active_leases.append(0.0 if t < 10 or t == 14 else 4.0)
+        tl.admission_blocked_s.append(0.5 * max(0, t - 10))
+    rows = [{"time": 1000.0 + 10 + 2 * (i + 1), "perf/step_s": 2.0, "perf/tokens": 500.0} for i in range(10)]
+    figures = loop_figures(rows, tl)
+    assert figures["train_window_s"] == pytest.approx(20.0)
+    assert figures["learner_tokens_per_s_wall"] == pytest.approx(250.0)
+    assert figures["generator_tokens_per_s_wall"] == pytest.approx(100.0)
+    assert figures["generator_no_work_frac"] == pytest.approx(1 / 11)
+    assert figures["generator_blocked_frac"] == pytest.approx(0.5)
