@@ -8,6 +8,7 @@ on the learner's data path.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -171,3 +172,33 @@ class BatchClient:
 
     def counters(self) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in self.redis.hgetall(self.keys.counters).items()}
+
+
+class ClaimsAhead:
+    """A learner's claims, the next one made on a thread while the current step trains.
+
+    Loading a batch (Redis round trips, unpacking every sample) then overlaps the optimizer step
+    instead of adding to it. Only at η >= 1: at η = 0 the next batch needs the weights this step
+    makes. A claim made ahead for a version is kept until the learner reaches that version (a
+    step whose groups were all filtered out does not advance it), so nothing claimed is dropped.
+    """
+
+    def __init__(self, client: BatchClient, n_groups: int, timeout_s: float) -> None:
+        self.client, self.n_groups, self.timeout_s = client, n_groups, timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="claim-ahead")
+        self._ahead: tuple[int, Future[Batch]] | None = None
+
+    def claim(self, version: int) -> Batch:
+        """The batch for ``version``: the one claimed ahead, or a claim now. Raises BatchTimeout."""
+        if self._ahead is not None and self._ahead[0] == version:
+            future, self._ahead = self._ahead[1], None
+            return future.result()  # the claim itself gives up after timeout_s
+        return self.client.claim(self.n_groups, version, self.timeout_s)
+
+    def claim_ahead(self, version: int) -> None:
+        """Start claiming the batch for ``version`` (not at η = 0, nor when one is already coming)."""
+        if self.client.policy.max_staleness >= 1 and self._ahead is None:
+            self._ahead = (version, self._pool.submit(self.client.claim, self.n_groups, version, self.timeout_s))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

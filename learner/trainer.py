@@ -24,7 +24,7 @@ import redis
 import torch
 
 from flywheel.config import FlywheelConfig
-from flywheel.hub_client import Batch, BatchClient, BatchTimeout
+from flywheel.hub_client import Batch, BatchClient, BatchTimeout, ClaimsAhead
 from flywheel.staleness import StalenessPolicy
 from learner import algos
 from learner.batching import (
@@ -119,6 +119,8 @@ class Trainer:
         self.redis = redis.Redis.from_url(cfg.redis.url or "", socket_timeout=cfg.redis.socket_timeout_s)
         policy = StalenessPolicy(cfg.async_.max_staleness, cfg.async_.groups_per_step)
         self.client = BatchClient(self.redis, cfg.run.name, policy)
+        n_groups = max(1, cfg.async_.groups_per_step // self.world)
+        self.claims = ClaimsAhead(self.client, n_groups, cfg.train.batch_timeout_s)
         self.broadcaster = None
         if rank == 0:
             from learner.weight_sync import WeightBroadcaster
@@ -200,6 +202,8 @@ class Trainer:
             t0 = time.perf_counter()
             batch = self.claim()
             waited = time.perf_counter() - t0
+            if self.version + 1 < total:
+                self.claims.claim_ahead(self.version + 1)  # loads while this step trains
             stats = self.train_step(batch)
             if stats is None:
                 continue  # every group was filtered out: no signal, no step
@@ -222,9 +226,8 @@ class Trainer:
             reporter(stats)
 
     def claim(self) -> Batch:
-        n = max(1, self.cfg.async_.groups_per_step // self.world)
         try:
-            return self.client.claim(n, self.version, timeout_s=self.cfg.train.batch_timeout_s)
+            return self.claims.claim(self.version)
         except BatchTimeout as err:
             raise RuntimeError(f"learner v{self.version}: {err}") from err
 
@@ -557,6 +560,7 @@ class Trainer:
         return Reporter(self.cfg, self.rank) if self.rank == 0 else (lambda stats: None)
 
     def close(self) -> None:
+        self.claims.close()
         if self.broadcaster is not None:
             self.broadcaster.close()
 

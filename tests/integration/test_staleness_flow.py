@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from flywheel.hub_client import BatchClient
+from flywheel.hub_client import BatchClient, ClaimsAhead
 from flywheel.staleness import StalenessPolicy
 from flywheel.store import META, GroupMeta, unpack
 from tests.conftest import Cluster, wait_until
@@ -42,10 +42,15 @@ def test_admission_bounds_staleness(cluster: Cluster, eta: int) -> None:
         )
     cluster.start_reward()
     client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(eta, GPS))
+    claims = ClaimsAhead(client, GPS, timeout_s=30)  # as the learner claims: the next one ahead
     staleness: list[int] = []
+    served: list[int] = []
     for v in range(8):
-        batch = client.claim(GPS, v, timeout_s=30)
+        batch = claims.claim(v)
+        if v + 1 < 8:  # the learner claims no batch past its last step
+            claims.claim_ahead(v + 1)  # at η = 0 a no-op: the next batch needs this step's weights
         assert len(batch.groups) == GPS
+        served += [g.group_id for g in batch.groups]
         for g in batch.groups:
             staleness.append(g.staleness)
             token_versions = {int(x) for s in g.samples for x in s.versions}
@@ -57,7 +62,9 @@ def test_admission_bounds_staleness(cluster: Cluster, eta: int) -> None:
         assert c["groups_issued"] - c.get("groups_dropped", 0) <= (v + eta + 1) * GPS
         time.sleep(0.4)  # a slow learner: generation may run ahead, by at most η
         client.set_version(v + 1)
+    claims.close()
     assert max(staleness) <= eta
+    assert len(set(served)) == len(served), "a group was served twice"
     if eta == 0:
         assert set(staleness) == {0}
     else:

@@ -1,0 +1,353 @@
+"""Async against sync, measured two ways in one benchmark (``bench/results/async_vs_sync.json``).
+
+Real loop (``--real``): ``flywheel run configs/quickstart.yaml`` (vLLM-CPU generator, DeepSpeed
+learner, the arithmetic task) at η = 0 and at each asynchronous η, same seed, same number of
+learner steps. Per run: wall time, learner idle fraction, generator idle shares, staleness
+histogram, final reward and greedy accuracy; headline: the sync/async wall-time ratio of the best
+async run and its reward gap to sync. ``--reuse ETA=RUN_DIR`` takes a finished run's report
+instead of running it again (e.g. the runs of ``bench/quickstart.py --sync``).
+
+Simulated fleet (``--sim``): the real hub, the real reward service and the learner's own claim
+path (``BatchClient``: the same staleness-bounded claim and version bump the learner runs), with
+the vLLM engines replaced by simulated ones (``generators/fleet.py``) so that 8 to 512 generators
+fit on one machine. Every configuration has the same workload: ``--fleet-seqs`` sequence slots
+in all (split over the generators), long-tailed response lengths (lognormal, median 16 tokens,
+sigma 1: about 1% of responses 10x the median; at most ``--max-tokens``), one batch per step that
+fills the fleet's nominal slots once, and a learner that trains at ``--learner-speed`` (0.8) of the
+rate the full fleet generates: the AReaL-like setting, most of the compute generating, sized so
+that the learner, the side that must not wait, is the bottleneck (an engine's step is ``t0`` plus
+``t0 / slots`` per running sequence; each engine leases twice its slots, ``--oversubscribe``,
+so whole-group leases do not idle it behind their longest sample). Sync is the same system at
+η = 0 (each batch generated wholly by the learner's current weights, so every step waits for its
+longest response); the speedup at η is the sync seconds per learner step over the async ones.
+
+    python bench/async_vs_sync.py --sim --real      # the full benchmark (about 50 minutes on 2 cores)
+    python bench/async_vs_sync.py --quick           # under a minute: a small fleet at η = 0 and 4
+    python bench/async_vs_sync.py --real --etas-real 1 4 --reuse 0=runs/bench-quickstart-sync \
+        --reuse 2=runs/bench-quickstart
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
+
+from flywheel.hub_client import BatchClient, ClaimsAhead  # noqa: E402
+from flywheel.procs import Service, wait_for_state_file  # noqa: E402
+from flywheel.redis_server import RedisServer  # noqa: E402
+from flywheel.staleness import StalenessPolicy  # noqa: E402
+from flywheel.tiny import build_tokenizer, write_arithmetic_jsonl  # noqa: E402
+
+SAMPLES_PER_PROMPT = 4
+
+
+def hub_gauge(port: int, name: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for line in body.splitlines():
+        if line.startswith(f"flywheel_hub_{name} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def fleet_totals(files: list[Path]) -> dict[str, float]:
+    """The fleet processes' cumulative figures, summed; ``time`` is when they were written (mean)."""
+    out: dict[str, float] = {}
+    for f in files:
+        for k, v in json.loads(f.read_text()).items():
+            out[k] = out.get(k, 0.0) + v
+    out["time"] /= len(files)
+    return out
+
+
+def run_config(work: Path, args: argparse.Namespace, generators: int, eta: int) -> dict[str, Any]:
+    """One configuration from a fresh Redis; returns its figures over the measured steps."""
+    run = f"fleet-{generators}-{eta}"
+    slots_per_gen = max(SAMPLES_PER_PROMPT, args.fleet_seqs // generators)
+    fleet_seqs = slots_per_gen * generators
+    # A fleet bigger than --fleet-seqs (each generator has one group's slots at least) runs on a
+    # slower clock, so the machine sees the same token rate; the speedup does not depend on the
+    # clock, since the tail and the learner's step scale with it alike.
+    t0 = args.t0 * fleet_seqs / args.fleet_seqs
+    groups_per_step = fleet_seqs // SAMPLES_PER_PROMPT  # one batch fills the fleet once
+    # A lease is a whole group, done when its longest sample is: an engine holding only as many
+    # leases as its slots would idle most of them behind the tail, so it holds more (as a vLLM
+    # generator with a large `generator.capacity` does) and its step slows as its batch grows.
+    capacity = math.ceil(args.oversubscribe * slots_per_gen / SAMPLES_PER_PROMPT)
+    # The learner trains a batch in the time the full fleet generates one: every engine at full
+    # batch makes one token per sequence every t0 + t1 * slots = 2 * t0 seconds.
+    fleet_tokens_per_s = fleet_seqs / (2 * t0)
+    learner_tokens_per_s = fleet_tokens_per_s * args.learner_speed
+    redis_server = RedisServer(work / f"redis-{run}")
+    state = work / f"hub-{run}.json"
+    base = [
+        "--run.name", run,
+        "--redis.url", redis_server.url,
+        "--data.path", str(args.data),
+        "--data.tokenizer", str(args.tokenizer),
+        "--data.epochs", "1000",
+        "--data.n_samples_per_prompt", str(SAMPLES_PER_PROMPT),
+        "--rollout.max_tokens", str(args.max_tokens),
+        "--async.max_staleness", str(eta),
+        "--async.groups_per_step", str(groups_per_step),
+        "--reward.functions", "length",
+        "--reward.workers", "1",
+        "--hub.generator_port", "0",
+        "--hub.reward_port", "0",
+        "--hub.metrics_port", "0",
+        "--hub.state_file", str(state),
+        "--hub.stats_interval_s", "5",
+    ]  # fmt: skip
+    services: list[Service] = []
+    try:
+        hub = Service("hub", "buffer", base, work)
+        services.append(hub)
+        ports = wait_for_state_file(state, hub)
+        services.append(
+            Service(
+                "reward",
+                "reward_service",
+                [*base, "--reward.hub_address", f"tcp://127.0.0.1:{ports['reward_port']}"],
+                work,
+            )
+        )
+        procs = min(generators, args.fleet_procs)
+        stats_files = [work / f"fleet-{run}-{p}.json" for p in range(procs)]
+        for p in range(procs):
+            first, last = generators * p // procs, generators * (p + 1) // procs
+            services.append(
+                Service(
+                    f"fleet{p}",
+                    "generators.fleet",
+                    [
+                        "--hub", f"tcp://127.0.0.1:{ports['generator_port']}",
+                        "--redis", redis_server.url,
+                        "--run", run,
+                        "--engines", str(last - first),
+                        "--first", str(first),
+                        "--capacity", str(capacity),
+                        "--samples-per-lease", str(SAMPLES_PER_PROMPT),
+                        "--t0", str(t0),
+                        "--t1", str(t0 / slots_per_gen),
+                        "--update-s", str(args.update_s),
+                        "--seed", str(p),
+                        "--stats-file", str(stats_files[p]),
+                    ],
+                    work,
+                )
+            )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while hub_gauge(ports["metrics_port"], "generators") < generators or not all(f.exists() for f in stats_files):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{generators} simulated generators did not register within 120 s")
+            time.sleep(0.2)
+        return learn(
+            args, redis_server, run, eta, groups_per_step, learner_tokens_per_s, ports, hub, stats_files, fleet_seqs
+        ) | {
+            "generators": generators,
+            "eta": eta,
+            "fleet_seqs": fleet_seqs,
+            "groups_per_step": groups_per_step,
+            "t0": t0,
+            "learner_tokens_per_s_model": learner_tokens_per_s,
+        }
+    finally:
+        for svc in reversed(services):
+            svc.stop()
+        redis_server.stop()
+
+
+def learn(
+    args: argparse.Namespace,
+    redis_server: RedisServer,
+    run: str,
+    eta: int,
+    groups_per_step: int,
+    learner_tokens_per_s: float,
+    ports: dict[str, int],
+    hub: Service,
+    stats_files: list[Path],
+    fleet_seqs: int,
+) -> dict[str, Any]:
+    """The learner's loop (``learner.trainer``: claim, claim the next ahead, train, publish the
+    version, sync) with the optimizer step replaced by a sleep as long as training the batch's
+    tokens takes at the learner's rate, and the weight sync by ``--sync-s``."""
+    client = BatchClient(redis_server.client(), run, StalenessPolicy(eta, groups_per_step))
+    claims = ClaimsAhead(client, groups_per_step, timeout_s=300)
+    hub_proc = psutil.Process(hub.pid)
+    waited = trained = 0.0
+    staleness: dict[int, int] = {}
+    start = fleet0 = hub_cpu0 = None
+    for version in range(args.warmup + args.steps):
+        if version == args.warmup:
+            start, fleet0 = time.monotonic(), fleet_totals(stats_files)
+            hub_cpu0 = sum(hub_proc.cpu_times()[:2])
+            waited = trained = 0.0
+        t = time.monotonic()
+        batch = claims.claim(version)
+        waited += time.monotonic() - t
+        if version + 1 < args.warmup + args.steps:
+            claims.claim_ahead(version + 1)  # as the learner does: loads while the step trains
+        tokens = sum(len(s.tokens) for g in batch.groups for s in g.samples)
+        t = time.monotonic()
+        time.sleep(tokens / learner_tokens_per_s)  # the optimizer step
+        client.set_version(version + 1)
+        time.sleep(args.sync_s)  # the weight broadcast
+        trained += time.monotonic() - t
+        if version >= args.warmup:
+            for s in batch.staleness:
+                staleness[s] = staleness.get(s, 0) + 1
+    claims.close()
+    assert start is not None and fleet0 is not None and hub_cpu0 is not None
+    wall = time.monotonic() - start
+    fleet1 = fleet_totals(stats_files)
+    window = fleet1["time"] - fleet0["time"]
+    return {
+        "steps": args.steps,
+        "wall_s": wall,
+        "step_s": wall / args.steps,
+        "learner_idle_frac": waited / wall,
+        # running sequences over the fleet's nominal slots (above 1: oversubscribed, slower steps)
+        "fleet_occupancy": (fleet1["busy_seq_s"] - fleet0["busy_seq_s"]) / max(window * fleet_seqs, 1e-9),
+        "fleet_tokens_per_s": (fleet1["tokens"] - fleet0["tokens"]) / max(window, 1e-9),
+        "hub_cpu_frac": (sum(hub_proc.cpu_times()[:2]) - hub_cpu0) / wall,
+        "staleness_histogram": dict(sorted(staleness.items())),
+        "resent_chunks": fleet1["resent"],
+    }
+
+
+def sim_part(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="flywheel-fleet-"))
+    args.tokenizer = build_tokenizer(work / "tokenizer")
+    args.data = write_arithmetic_jsonl(work / "prompts.jsonl", 4000)
+    rows = []
+    print("simulated fleet (sync = the same system at eta 0)")
+    print(
+        f"{'gens':>5} {'eta':>3} {'s/step':>7} {'speedup':>7} {'learner idle':>12} {'occupancy':>10} {'tok/s':>8} {'hub cpu':>7}  staleness"
+    )
+    for gens in args.generators:
+        sync_step = None
+        for eta in args.etas:
+            row = run_config(work, args, gens, eta)
+            if eta == 0:
+                sync_step = row["step_s"]
+            row["speedup_vs_sync"] = sync_step / row["step_s"] if sync_step else None
+            rows.append(row)
+            speed = f"{row['speedup_vs_sync']:.2f}x" if eta and row["speedup_vs_sync"] else "-"
+            print(
+                f"{gens:>5} {eta:>3} {row['step_s']:>7.3f} {speed:>7} {row['learner_idle_frac']:>12.1%} "
+                f"{row['fleet_occupancy']:>10.1%} {row['fleet_tokens_per_s']:>8.0f} {row['hub_cpu_frac']:>7.0%}  "
+                f"{row['staleness_histogram']}",
+                flush=True,
+            )
+    areal = [r for r in rows if r["eta"] >= 4 and r["speedup_vs_sync"]]  # η = 4-8: AReaL's range
+    return {
+        "speedup_sim": min((r["speedup_vs_sync"] for r in areal), default=None),
+        "learner_idle_sim": max((r["learner_idle_frac"] for r in areal), default=None),
+        "rows": rows,
+    }
+
+
+def real_run(eta: int, reuse: dict[int, Path]) -> dict[str, Any]:
+    run_dir = reuse.get(eta, ROOT / "runs" / f"bench-async-vs-sync-eta{eta}")
+    if eta not in reuse:
+        cmd = [sys.executable, "-m", "flywheel.cli", "run", str(ROOT / "configs" / "quickstart.yaml")]
+        flags = ["--launch.run_dir", str(run_dir), "--launch.display", "false", "--async.max_staleness", str(eta)]
+        subprocess.run([*cmd, *flags], check=True)
+    s = json.loads((run_dir / "report" / "summary.json").read_text())
+    if s["max_staleness"] != eta:
+        raise ValueError(f"{run_dir} ran at eta {s['max_staleness']}, not {eta}")
+    keys = ["wall_s", "train_window_s", "steps", "learner_step_s", "learner_idle_frac", "generator_no_work_frac",
+            "generator_blocked_frac", "staleness_histogram", "reward_first", "reward_last", "accuracy_start",
+            "accuracy_end"]  # fmt: skip
+    return {"eta": eta, "run_dir": str(run_dir), **{k: s.get(k) for k in keys}}
+
+
+def real_part(args: argparse.Namespace) -> dict[str, Any]:
+    reuse = {int(k): Path(v) for k, v in (r.split("=", 1) for r in args.reuse)}
+    rows = [real_run(eta, reuse) for eta in sorted({0, *args.etas_real})]
+    sync = rows[0]
+    print("real loop (configs/quickstart.yaml; the training window is first step to last)")
+    print(
+        f"{'eta':>3} {'wall s':>7} {'window s':>8} {'speedup':>7} {'learner idle':>12} {'gen no work':>11} {'accuracy':>9} {'reward last':>11}"
+    )
+    for r in rows:
+        r["speedup_vs_sync"] = sync["wall_s"] / r["wall_s"]
+        r["window_speedup_vs_sync"] = sync["train_window_s"] / r["train_window_s"]
+        r["reward_gap_vs_sync"] = (sync["accuracy_end"] - r["accuracy_end"]) / sync["accuracy_end"]
+        print(
+            f"{r['eta']:>3} {r['wall_s']:>7.0f} {r['train_window_s']:>8.0f} {r['speedup_vs_sync']:>6.2f}x "
+            f"{r['learner_idle_frac']:>12.1%} {r['generator_no_work_frac']:>11.1%} "
+            f"{r['accuracy_start']:.0%}->{r['accuracy_end']:.0%} {r['reward_last']:>11.3f}"
+        )
+    best = max(rows[1:], key=lambda r: r["speedup_vs_sync"], default=None)
+    return {
+        "speedup_real": best["speedup_vs_sync"] if best else None,
+        "reward_gap_real": best["reward_gap_vs_sync"] if best else None,
+        "rows": rows,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sim", action="store_true", help="the simulated fleet sweep")
+    p.add_argument("--real", action="store_true", help="the real loop at eta 0 and --etas-real")
+    p.add_argument("--quick", action="store_true", help="a small fleet at eta 0 and 4 (under a minute)")
+    p.add_argument("--etas-real", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--reuse", action="append", default=[], metavar="ETA=RUN_DIR", help="a finished run's report")
+    p.add_argument("--generators", type=int, nargs="+", default=[8, 32, 128, 512])
+    p.add_argument("--etas", type=int, nargs="+", default=[0, 1, 4, 8])
+    p.add_argument("--steps", type=int, default=12, help="learner steps measured per configuration")
+    p.add_argument("--warmup", type=int, default=3, help="learner steps before measuring (the pipeline fills)")
+    p.add_argument("--fleet-seqs", type=int, default=1024, help="sequence slots of the whole fleet")
+    p.add_argument("--max-tokens", type=int, default=160, help="response cap (10x the median)")
+    p.add_argument("--t0", type=float, default=0.02, help="an engine's decode step with nothing running, s")
+    p.add_argument("--learner-speed", type=float, default=0.8, help="learner tokens/s over the full fleet's")
+    p.add_argument("--oversubscribe", type=float, default=2.0, help="sequences leased per engine slot")
+    p.add_argument("--update-s", type=float, default=0.02, help="a generator's weight-update pause")
+    p.add_argument("--sync-s", type=float, default=0.01, help="the learner's weight broadcast")
+    p.add_argument("--fleet-procs", type=int, default=4, help="processes hosting the simulated engines")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "async_vs_sync.json"))
+    args = p.parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped: still stop what it started
+    if args.quick:
+        args.sim, args.generators, args.etas, args.steps, args.warmup, args.fleet_seqs = True, [8], [0, 4], 6, 2, 128
+    if not (args.sim or args.real):
+        p.error("choose --sim, --real or both (or --quick)")
+    out = Path(args.out)
+    result: dict[str, Any] = {"benchmark": "async_vs_sync", "headline": {}}
+    if out.exists():  # the other part's figures stay
+        result = json.loads(out.read_text())
+    if args.real:
+        real = real_part(args)
+        result["real"] = real.pop("rows")
+        result["headline"].update(real)
+    if args.sim:
+        sim = sim_part(args)
+        result["sim"] = sim.pop("rows")
+        result["headline"].update(sim)
+        result["sim_config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    result["machine"] = {"cpus": psutil.cpu_count(), "platform": platform.platform()}
+    if not args.quick:  # a quick look does not overwrite the full results
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["headline"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
