@@ -140,7 +140,6 @@ def run_config(work: Path, args: argparse.Namespace, generators: int, eta: int) 
                         "--engines", str(last - first),
                         "--first", str(first),
                         "--capacity", str(capacity),
-                        "--samples-per-lease", str(SAMPLES_PER_PROMPT),
                         "--t0", str(t0),
                         "--t1", str(t0 / slots_per_gen),
                         "--update-s", str(args.update_s),

@@ -45,19 +45,21 @@ UPDATE_LINE = re.compile(r"now serving weights v(\d+) \(update took ([\d.]+)s\)"
 
 
 def run_loop(recipe: Path, run_dir: Path, timeout_s: float, overrides: list[str]) -> int:
-    """The launcher as a child process (its output in run_dir/launcher.log); SIGTERM at the
-    timeout, which shuts the run down and still writes its report."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """The launcher as a child process (its output in <run_dir>.bench/launcher.log); SIGTERM at
+    the timeout, which shuts the run down and still writes its report. The benchmark's own files
+    stay out of the run directory, which the launcher sets aside if it finds one there."""
+    own = bench_dir(run_dir)
+    own.mkdir(parents=True, exist_ok=True)
     smi = shutil.which("nvidia-smi")
     sampler = None
     if smi is not None:
         query = "--query-gpu=timestamp,index,utilization.gpu,memory.used"
-        with (run_dir / "gpu_util.csv").open("w") as f:
+        with (own / "gpu_util.csv").open("w") as f:
             sampler = subprocess.Popen([smi, query, "--format=csv,noheader,nounits", "-lms", "500"], stdout=f)
     cmd = [sys.executable, "-m", "flywheel.cli", "run", str(recipe), "--launch.run_dir", str(run_dir)]
     cmd += ["--launch.display", "false", *overrides]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    log_path = run_dir / "launcher.log"
+    log_path = own / "launcher.log"
     print(f"loop_gpu: {' '.join(cmd)}\n  output: {log_path}", flush=True)
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -72,6 +74,10 @@ def run_loop(recipe: Path, run_dir: Path, timeout_s: float, overrides: list[str]
         sampler.wait(timeout=10)
     print("\n".join(log_path.read_text(errors="replace").splitlines()[-40:]), flush=True)
     return proc.returncode
+
+
+def bench_dir(run_dir: Path) -> Path:
+    return run_dir.with_name(run_dir.name + ".bench")
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -146,7 +152,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
             "generator_update_s_mean": _mean(update_s),
             "share_of_learner_step": sum(sync_s) / sum(step_s),
         },
-        "gpu_utilisation_pct": gpu_utilisation(run_dir / "gpu_util.csv", start, end),
+        "gpu_utilisation_pct": gpu_utilisation(bench_dir(run_dir) / "gpu_util.csv", start, end),
         "staleness_histogram": summary["staleness_histogram"],
         "reward_first": summary["reward_first"],
         "reward_last": summary["reward_last"],
@@ -216,7 +222,9 @@ def main() -> int:
     run_dir = Path(args.from_run or args.run_dir).resolve()
     code = 0 if args.from_run else run_loop(Path(args.recipe), run_dir, args.timeout_s, args.overrides)
     if not (run_dir / "report" / "summary.json").exists():
-        print(f"loop_gpu: the run wrote no report (launcher exit code {code}); see {run_dir / 'launcher.log'}")
+        print(
+            f"loop_gpu: the run wrote no report (launcher exit code {code}); see {bench_dir(run_dir) / 'launcher.log'}"
+        )
         return 1
     result = {
         "benchmark": "loop_gpu",

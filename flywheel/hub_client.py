@@ -7,8 +7,9 @@ on the learner's data path.
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -185,7 +186,6 @@ class ClaimsAhead:
 
     def __init__(self, client: BatchClient, n_groups: int, timeout_s: float) -> None:
         self.client, self.n_groups, self.timeout_s = client, n_groups, timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="claim-ahead")
         self._ahead: tuple[int, Future[Batch]] | None = None
 
     def claim(self, version: int) -> Batch:
@@ -197,8 +197,20 @@ class ClaimsAhead:
 
     def claim_ahead(self, version: int) -> None:
         """Start claiming the batch for ``version`` (not at η = 0, nor when one is already coming)."""
-        if self.client.policy.max_staleness >= 1 and self._ahead is None:
-            self._ahead = (version, self._pool.submit(self.client.claim, self.n_groups, version, self.timeout_s))
+        if self.client.policy.max_staleness < 1 or self._ahead is not None:
+            return
+        future: Future[Batch] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self.client.claim(self.n_groups, version, self.timeout_s))
+            except BaseException as err:  # handed to whoever takes the batch
+                future.set_exception(err)
+
+        # A daemon thread: a learner stopping (Ctrl-C, a failure) must not wait for a claim that
+        # may never be served; groups it claimed are lost with it, as any batch in flight is.
+        threading.Thread(target=run, name="claim-ahead", daemon=True).start()
+        self._ahead = (version, future)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._ahead = None

@@ -197,11 +197,10 @@ def run_fleet(
         time.sleep(max(0.0, tick_s - (time.monotonic() - now)))
 
 
-def fleet_stats(engines: list[SimEngine], capacity_seqs: int) -> dict[str, float]:
+def fleet_stats(engines: list[SimEngine]) -> dict[str, float]:
     return {
         "time": time.time(),
         "engines": len(engines),
-        "capacity_seqs": capacity_seqs * len(engines),
         "tokens": sum(e.stats.tokens for e in engines),
         "busy_seq_s": sum(e.stats.busy_seq_s for e in engines),
         "paused_s": sum(e.stats.paused_s for e in engines),
@@ -218,7 +217,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", type=int, required=True)
     p.add_argument("--first", type=int, default=0, help="index of this process's first engine (its id)")
     p.add_argument("--capacity", type=int, default=4, help="leases per engine")
-    p.add_argument("--samples-per-lease", type=int, default=4, help="for the utilisation figure")
     p.add_argument("--t0", type=float, default=EngineModel.t0)
     p.add_argument("--t1", type=float, default=EngineModel.t1)
     p.add_argument("--median-len", type=int, default=EngineModel.median_len)
@@ -264,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def write_stats() -> None:
         if args.stats_file:
-            stats = fleet_stats(engines, args.capacity * args.samples_per_lease)
+            stats = fleet_stats(engines)
             with open(args.stats_file + ".tmp", "w") as f:
                 json.dump(stats, f)
             os.replace(args.stats_file + ".tmp", args.stats_file)
