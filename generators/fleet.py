@@ -34,8 +34,7 @@ import numpy as np
 
 from flywheel.wire import Chunk, Lease
 from generators.hub_link import HubLink
-
-POOL = 1 << 16
+from generators.simulated import POOL, random_pools
 
 
 @dataclass(frozen=True)
@@ -235,10 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(f"fleet{args.first}")
     model = EngineModel(args.t0, args.t1, args.median_len, args.sigma, args.update_s, args.flush_s)
     rng = np.random.default_rng(args.seed)
-    pools = (
-        rng.integers(0, 512, size=POOL, dtype=np.int32).tobytes(),
-        (-rng.exponential(1.0, size=POOL)).astype(np.float32).tobytes(),
-    )
+    pools = random_pools(rng)
     engines = [
         SimEngine(
             HubLink(args.hub, f"sim{args.first + i}", "simulated", args.capacity),

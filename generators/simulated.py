@@ -24,6 +24,12 @@ log = logging.getLogger(__name__)
 POOL = 1 << 16
 
 
+def random_pools(rng: np.random.Generator, vocab: int = 512) -> tuple[bytes, bytes]:
+    """POOL random token ids and log-probabilities, packed: chunks are slices of these."""
+    tokens = rng.integers(0, vocab, size=POOL, dtype=np.int32).tobytes()
+    return tokens, (-rng.exponential(1.0, size=POOL)).astype(np.float32).tobytes()
+
+
 @dataclass
 class SimSample:
     lease: Lease
@@ -51,8 +57,7 @@ class SimulatedGenerator:
         self.min_len, self.max_len = min_len, max_len
         self.chunk_min, self.chunk_max = chunk_min, chunk_max
         self.tokens_per_s = tokens_per_s
-        self.token_pool = self.rng.integers(0, vocab, size=POOL, dtype=np.int32).tobytes()
-        self.logprob_pool = (-self.rng.exponential(1.0, size=POOL)).astype(np.float32).tobytes()
+        self.token_pool, self.logprob_pool = random_pools(self.rng, vocab)
         self._versions: dict[tuple[int, int], bytes] = {}
         self.active: dict[tuple[int, int], SimSample] = {}
         self.remaining: dict[int, int] = {}  # lease id -> unfinished samples
