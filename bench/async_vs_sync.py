@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -47,31 +46,14 @@ sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
 
+from bench.simfleet import fleet_totals, hub_args, start_fleet, start_hub_and_reward, wait_registered  # noqa: E402
 from flywheel.hub_client import BatchClient, ClaimsAhead  # noqa: E402
-from flywheel.procs import Service, wait_for_state_file  # noqa: E402
+from flywheel.procs import Service  # noqa: E402
 from flywheel.redis_server import RedisServer  # noqa: E402
 from flywheel.staleness import StalenessPolicy  # noqa: E402
 from flywheel.tiny import build_tokenizer, write_arithmetic_jsonl  # noqa: E402
 
 SAMPLES_PER_PROMPT = 4
-
-
-def hub_gauge(port: int, name: str) -> float:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    for line in body.splitlines():
-        if line.startswith(f"flywheel_hub_{name} "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def fleet_totals(files: list[Path]) -> dict[str, float]:
-    """The fleet processes' cumulative figures, summed; ``time`` is when they were written (mean)."""
-    out: dict[str, float] = {}
-    for f in files:
-        for k, v in json.loads(f.read_text()).items():
-            out[k] = out.get(k, 0.0) + v
-    out["time"] /= len(files)
-    return out
 
 
 def run_config(work: Path, args: argparse.Namespace, generators: int, eta: int) -> dict[str, Any]:
@@ -95,65 +77,27 @@ def run_config(work: Path, args: argparse.Namespace, generators: int, eta: int) 
     redis_server = RedisServer(work / f"redis-{run}")
     state = work / f"hub-{run}.json"
     base = [
-        "--run.name", run,
-        "--redis.url", redis_server.url,
-        "--data.path", str(args.data),
-        "--data.tokenizer", str(args.tokenizer),
-        "--data.epochs", "1000",
+        *hub_args(run, redis_server.url, args.data, args.tokenizer, state),
         "--data.n_samples_per_prompt", str(SAMPLES_PER_PROMPT),
         "--rollout.max_tokens", str(args.max_tokens),
         "--async.max_staleness", str(eta),
         "--async.groups_per_step", str(groups_per_step),
-        "--reward.functions", "length",
-        "--reward.workers", "1",
-        "--hub.generator_port", "0",
-        "--hub.reward_port", "0",
-        "--hub.metrics_port", "0",
-        "--hub.state_file", str(state),
         "--hub.stats_interval_s", "5",
     ]  # fmt: skip
     services: list[Service] = []
     try:
-        hub = Service("hub", "buffer", base, work)
-        services.append(hub)
-        ports = wait_for_state_file(state, hub)
-        services.append(
-            Service(
-                "reward",
-                "reward_service",
-                [*base, "--reward.hub_address", f"tcp://127.0.0.1:{ports['reward_port']}"],
-                work,
-            )
-        )
-        procs = min(generators, args.fleet_procs)
-        stats_files = [work / f"fleet-{run}-{p}.json" for p in range(procs)]
-        for p in range(procs):
-            first, last = generators * p // procs, generators * (p + 1) // procs
-            services.append(
-                Service(
-                    f"fleet{p}",
-                    "generators.fleet",
-                    [
-                        "--hub", f"tcp://127.0.0.1:{ports['generator_port']}",
-                        "--redis", redis_server.url,
-                        "--run", run,
-                        "--engines", str(last - first),
-                        "--first", str(first),
-                        "--capacity", str(capacity),
-                        "--t0", str(t0),
-                        "--t1", str(t0 / slots_per_gen),
-                        "--update-s", str(args.update_s),
-                        "--seed", str(p),
-                        "--stats-file", str(stats_files[p]),
-                    ],
-                    work,
-                )
-            )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while hub_gauge(ports["metrics_port"], "generators") < generators or not all(f.exists() for f in stats_files):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{generators} simulated generators did not register within 120 s")
-            time.sleep(0.2)
+        hub, ports = start_hub_and_reward(work, base, services)
+        fleet = [
+            "--hub", f"tcp://127.0.0.1:{ports['generator_port']}",
+            "--redis", redis_server.url,
+            "--run", run,
+            "--capacity", str(capacity),
+            "--t0", str(t0),
+            "--t1", str(t0 / slots_per_gen),
+            "--update-s", str(args.update_s),
+        ]  # fmt: skip
+        stats_files, _ = start_fleet(work, f"fleet-{run}-", generators, args.fleet_procs, fleet, services)
+        wait_registered(ports["metrics_port"], generators, stats_files, timeout_s=120)
         return learn(
             args, redis_server, run, eta, groups_per_step, learner_tokens_per_s, ports, hub, stats_files, fleet_seqs
         ) | {

@@ -43,8 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     from buffer import recovery
     from buffer.hub import Hub
     from buffer.prompts import PromptSource
+    from flywheel.netsec import check_keys, mask_credentials, redis_client
 
-    client = redis.Redis.from_url(cfg.redis.url, socket_timeout=cfg.redis.socket_timeout_s)
+    try:
+        check_keys(cfg.security, server=True)
+        client = redis_client(cfg.redis)
+    except ValueError as err:
+        print(f"flywheel-buffer: {err}", file=sys.stderr)
+        return 2
+    shown_url = mask_credentials(cfg.redis.url)
     deadline = time.monotonic() + cfg.redis.connect_timeout_s
     while True:  # Redis may still be starting (docker-compose starts both at once)
         try:
@@ -52,12 +59,10 @@ def main(argv: list[str] | None = None) -> int:
             break
         except redis.RedisError as err:
             if time.monotonic() > deadline:
-                print(
-                    f"flywheel-buffer: cannot reach Redis at {cfg.redis.url}: {err}; check redis.url", file=sys.stderr
-                )
+                print(f"flywheel-buffer: cannot reach Redis at {shown_url}: {err}; check redis.url", file=sys.stderr)
                 return 2
             time.sleep(0.2)
-    _warn_unless_persistent(client, cfg.redis.url)
+    _warn_unless_persistent(client, shown_url)
     try:
         source = PromptSource.from_config(cfg.data)
     except (ValueError, OSError) as err:

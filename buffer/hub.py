@@ -23,6 +23,7 @@ from buffer.prompts import PromptSource
 from buffer.state import ActiveLease, GeneratorInfo, OpenGroup, RewardWorker, SampleAssembly
 from buffer.stats import HubStats, RateMeter, RejectLog, start_metrics_server
 from flywheel.config import FlywheelConfig
+from flywheel.netsec import curve_server, refused_peers
 from flywheel.staleness import GroupState, StalenessPolicy
 from flywheel.store import (
     META,
@@ -37,6 +38,7 @@ from flywheel.store import (
     score_field,
     unpack,
 )
+from flywheel.watchdog import WATCHDOG
 from flywheel.wire import (
     Chunk,
     ChunkAck,
@@ -141,6 +143,7 @@ class Hub:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error we count, not a silent drop
         # Memory guard well above the checked limit: bigger frames are refused by ZMQ itself.
         sock.setsockopt(zmq.MAXMSGSIZE, self.hcfg.max_message_bytes * 4)
+        curve_server(sock, self.cfg.security)  # security.curve: only authorised clients get through
         host = self.hcfg.host
         if port == 0:
             sock.bind_to_random_port(f"tcp://{host}")
@@ -231,7 +234,8 @@ class Hub:
             # The learner's version and drop count ride along with the turn's write.
             self._pipe.get(self.keys.version)
             self._pipe.hget(self.keys.counters, "groups_dropped")
-            *_, version, dropped = self._pipe.execute()
+            with WATCHDOG.wait("hub write to Redis", self.cfg.run.watchdog_s):
+                *_, version, dropped = self._pipe.execute()
             self.learner_version, self.groups_dropped = int(version or 0), int(dropped or 0)
             self._refreshed = self._turn_started
             elapsed = time.monotonic() - self._turn_started
@@ -256,8 +260,10 @@ class Hub:
 
     def _write_chunk_blobs(self) -> None:
         by_group: dict[int, dict[bytes, bytes]] = defaultdict(dict)
+        persisted = 0
         for gid, index, sample in self._dirty:
             if sample.pending:
+                persisted += len(sample.pending)
                 name = chunk_blob_field(index, sample.pending[0].seq)
                 by_group[gid][name] = encode_list(sample.pending)
                 sample.blobs.append(name)
@@ -265,6 +271,10 @@ class Hub:
         self._dirty.clear()
         for gid, fields in by_group.items():
             self._pipe.hset(self.keys.group(gid), mapping=fields)
+        if persisted:
+            # In the same transaction as the chunks: an audit (tests/chaos) compares it with the
+            # acks generators received; a write Redis lost would show as more acks than chunks.
+            self._pipe.hincrby(self.keys.counters, "chunks_persisted", persisted)
 
     def _send(self, sock: zmq.Socket, identity: bytes, msg: Message) -> None:
         self._send_raw(sock, identity, encode(msg))
@@ -288,6 +298,11 @@ class Hub:
             return
         now = time.monotonic()
         old = self.generators.get(msg.generator_id)
+        if old is None and len(self.generators) >= self.hcfg.max_generators:  # the registry is bounded
+            self.rejects.reject(
+                "too_many_generators", f"{msg.generator_id!r}: hub.max_generators are registered", identity
+            )
+            return
         if old is not None:
             # A registration from a known id means the generator restarted: its leases are gone.
             log.info("generator %s re-registered; re-issuing its %d leases", msg.generator_id, len(old.leases))
@@ -297,6 +312,7 @@ class Hub:
             generator_id=msg.generator_id, model=msg.model, capacity=msg.capacity, weight_version=msg.weight_version
         )
         self.generators[msg.generator_id] = GeneratorInfo(record, identity, now)
+        self.stats.registrations += 1
         self._pipe.hset(self.keys.generators, msg.generator_id, pack(record))
         log.info(
             "generator %s registered (capacity %d, weights v%d)", msg.generator_id, msg.capacity, msg.weight_version
@@ -434,6 +450,7 @@ class Hub:
         worker = self.reward_workers.get(identity)
         if worker is None:
             log.info("reward worker %s connected (capacity %d)", msg.worker_id, msg.capacity)
+            self.stats.reward_registrations += 1
             self.reward_workers[identity] = RewardWorker(identity, msg.capacity, time.monotonic())
         else:
             worker.capacity, worker.last_seen = msg.capacity, time.monotonic()
@@ -756,12 +773,15 @@ class Hub:
             "leases_reissued": s.leases_reissued,
             "leases_released": s.leases_released,
             "generators_evicted": s.generators_evicted,
+            "generator_registrations": s.registrations,
+            "reward_registrations": s.reward_registrations,
             "generators_departed": s.generators_departed,
             "groups_dropped_reward": s.groups_dropped_reward,
             "admission_blocked_seconds": s.admission_blocked_s,
             "groups_issued": self.groups_issued,
             "groups_dropped": self.groups_dropped,
             "prompts_truncated": self.source.truncated,
+            "peers_refused": refused_peers(),  # CURVE handshakes with an unauthorised key
         }
         gauges = {
             "learner_version": self.learner_version,
@@ -772,6 +792,7 @@ class Hub:
             "generators_draining": sum(g.draining for g in self.generators.values()),
             "generator_capacity": sum(g.record.capacity for g in self.generators.values() if not g.draining),
             "reward_workers": len(self.reward_workers),
+            "watchdog_overdue": sum(WATCHDOG.overdue.values()),
             "scores_pending": len(self.score_queue) + len(self.score_sent),
             "requeued_prompts": len(self.requeued_prompts),
             "data_epoch": self.epoch,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -26,6 +28,8 @@ class HubStats:
     leases_reissued: int = 0
     leases_released: int = 0  # given back by generators (draining, weights behind)
     generators_evicted: int = 0
+    registrations: int = 0
+    reward_registrations: int = 0
     generators_departed: int = 0  # drained and gone (scale-down): not an eviction
     rejected: Counter[str] = field(default_factory=Counter)
     reward_errors: Counter[str] = field(default_factory=Counter)  # failed scores by reason (timeout, ...)
@@ -85,8 +89,9 @@ def start_metrics_server(port: int, host: str, snapshot: Callable[[], dict[str, 
     """
     from prometheus_client import REGISTRY
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-    from prometheus_client.exposition import start_http_server
     from prometheus_client.registry import Collector
+
+    http_rejected = HttpRejections()
 
     class HubCollector(Collector):
         def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
@@ -109,7 +114,101 @@ def start_metrics_server(port: int, host: str, snapshot: Callable[[], dict[str, 
             for k, n in snap["staleness"].items():  # type: ignore[attr-defined]
                 st.add_metric([str(k)], n)
             yield st
+            http = CounterMetricFamily(
+                "flywheel_hub_http_rejected", "requests the metrics endpoint refused, by reason", labels=["reason"]
+            )
+            for reason, n in http_rejected.snapshot().items():
+                http.add_metric([reason], n)
+            yield http
 
     REGISTRY.register(HubCollector())
-    server, _thread = start_http_server(port, addr=host)
-    return int(server.server_address[1])
+    return serve_metrics(port, host, http_rejected)
+
+
+class HttpRejections:
+    """Requests the metrics endpoint refused, by reason (counted on its request threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def add(self, reason: str) -> None:
+        with self._lock:
+            self._counts[reason] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+METRICS_READ_TIMEOUT_S = 10.0
+
+
+def serve_metrics(port: int, host: str, rejected: HttpRejections) -> int:
+    """prometheus_client's WSGI server, with a read timeout and every refused request counted.
+
+    Its stock handler waits for a request line forever (each silent connection holds a thread
+    for good) and refuses garbage without a trace; this one gives up on a silent client after
+    ``METRICS_READ_TIMEOUT_S`` and counts each refusal by reason (``http_<status>``,
+    ``http_timeout``, ``http_blank`` for a blank request line).
+    """
+    from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, make_server
+
+    from prometheus_client import REGISTRY
+    from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
+
+    class Handler(WSGIRequestHandler):
+        timeout = METRICS_READ_TIMEOUT_S
+        default_request_version = "HTTP/1.0"  # not 0.9: every answer, refusals too, has a status line
+        _error_sent = False
+
+        def handle(self) -> None:
+            try:
+                self._handle()
+            except TimeoutError:
+                rejected.add("http_timeout")
+            except ConnectionError:
+                pass  # the client went away: nothing to answer
+
+        def _handle(self) -> None:  # wsgiref's handle(), plus the counting
+            self.raw_requestline = self.rfile.readline(65537)
+            if not self.raw_requestline:
+                return  # connected and closed without a byte: nothing was asked
+            if len(self.raw_requestline) > 65536:
+                self.requestline = self.request_version = self.command = ""
+                self.send_error(414)
+                return
+            self._error_sent = False
+            if not self.parse_request():
+                if not self._error_sent:
+                    rejected.add("http_blank")
+                return
+            rfile, wfile = self.rfile, self.wfile
+            handler = ServerHandler(rfile, wfile, self.get_stderr(), self.get_environ(), multithread=False)  # type: ignore[arg-type]
+            handler.request_handler = self  # type: ignore[attr-defined]
+            handler.run(self.server.get_app())  # type: ignore[attr-defined]
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            self._error_sent = True
+            rejected.add(f"http_{code}")
+            super().send_error(code, message, explain)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # no line per request (the counters say what matters)
+
+    metrics_app = make_wsgi_app(REGISTRY)
+
+    def app(environ: dict[str, object], start_response: Callable[..., object]) -> object:
+        def counting_start_response(status: str, headers: list[tuple[str, str]], *exc: object) -> object:
+            if not status.startswith("2"):
+                rejected.add(f"http_{status.split(' ', 1)[0]}")
+            return start_response(status, headers, *exc)
+
+        return metrics_app(environ, counting_start_response)
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+
+    httpd = make_server(host, port, app, Server, handler_class=Handler)  # type: ignore[arg-type]
+    threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
+    return int(httpd.server_address[1])

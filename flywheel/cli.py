@@ -15,6 +15,9 @@ commands:
         hub demo: private Redis + hub + simulated generators + reward worker + a consumer
   config [--markdown]
         print every config key with its type, default and meaning
+  keys DIR
+        make CURVE keys for security.curve: server and client keypairs, DIR/authorized/ holding
+        the client keys the hub and the learner accept (pass --security.keys_dir DIR)
 """
 
 
@@ -51,6 +54,20 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             print(f"flywheel run: {err}", file=sys.stderr)
             return 2
+    if command == "keys":
+        if len(rest) != 1 or rest[0].startswith("-"):
+            print(f"flywheel keys: one argument, the directory to make\n\n{USAGE}", file=sys.stderr)
+            return 2
+        from flywheel.netsec import create_keys
+
+        try:
+            keys = create_keys(rest[0])
+        except (ValueError, OSError) as err:
+            print(f"flywheel keys: {err}", file=sys.stderr)
+            return 2
+        print(f"CURVE keys in {keys}: pass --security.curve true --security.keys_dir {keys}")
+        print("servers (hub, learner) need server.key_secret and authorized/; clients server.key and client.key_secret")
+        return 0
     if command == "demo":
         if "-h" in rest or "--help" in rest:
             print(USAGE)

@@ -31,6 +31,13 @@ class RunConfig(_Section):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Logging level of every service."
     )
+    watchdog_s: float = Field(
+        120.0,
+        gt=0,
+        le=86400,
+        description="Report (a log line and the watchdog/overdue metric) any blocking wait longer than this: a "
+        "batch claim, a weight sync, a checkpoint, a hub write to Redis, a generator's weight update.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -61,6 +68,25 @@ class RedisConfig(_Section):
     connect_timeout_s: float = Field(
         30.0, ge=0, le=3600, description="How long a service waits for Redis to answer at start-up."
     )
+    username: str | None = Field(
+        None, description="Redis ACL user (unset: the default user). A private server gets this user, all rights."
+    )
+    password_file: str | None = Field(
+        None,
+        description="File holding the Redis password (AUTH): every client sends it; a private server requires it. "
+        "Kept out of flags, URLs and logs; a password in redis.url (redis://user:pass@host:port/0) works too.",
+    )
+
+    @model_validator(mode="after")
+    def _one_password(self) -> RedisConfig:
+        from urllib.parse import urlsplit
+
+        in_url = self.url is not None and urlsplit(self.url).password is not None
+        if in_url and self.password_file is not None:
+            raise ValueError("redis.url carries a password and redis.password_file is set: keep one of them")
+        if self.username is not None and not in_url and self.password_file is None:
+            raise ValueError("redis.username needs a password: set redis.password_file (a file holding it)")
+        return self
 
 
 class DataConfig(_Section):
@@ -159,8 +185,21 @@ class HubConfig(_Section):
     max_message_bytes: int = Field(
         64 << 20, ge=1024, description="Frames larger than this are rejected (counted as 'oversized')."
     )
-    sndhwm: int = Field(10000, ge=0, description="ZMQ send high-water mark (messages).")
-    rcvhwm: int = Field(10000, ge=0, description="ZMQ receive high-water mark (messages).")
+    sndhwm: int = Field(10000, ge=0, description="ZMQ send high-water mark, per connected peer (messages).")
+    rcvhwm: int = Field(
+        10000,
+        ge=0,
+        description="ZMQ receive high-water mark, per connected peer (messages): the hub may queue up to "
+        "peers x rcvhwm messages, each holding up to its 8 KiB read buffer; lower it for large fleets "
+        "(bench/load.py runs 1000 generators with 64).",
+    )
+    max_generators: int = Field(
+        4096,
+        ge=1,
+        le=1 << 20,
+        description="Most generators registered at once: a Register from a new id beyond it is rejected "
+        "('too_many_generators') until one leaves. Bounds the hub's per-generator state.",
+    )
     max_turn_items: int = Field(
         4096,
         ge=1,
@@ -290,12 +329,22 @@ class GeneratorConfig(_Section):
         20.0, gt=0, le=10000, description="New tokens are streamed to the hub as chunks at this interval."
     )
     heartbeat_s: float = Field(0.5, gt=0, le=600, description="Heartbeat interval to the hub and the learner.")
-    resend_after_s: float = Field(2.0, gt=0, le=600, description="Resend chunks not acknowledged for this long.")
+    resend_after_s: float = Field(
+        2.0,
+        gt=0,
+        le=600,
+        description="Resend chunks not acknowledged for this long at least: the timeout follows the measured ack "
+        "latency and doubles (up to 8x) while resends go unanswered.",
+    )
     drain_timeout_s: float = Field(
         60.0, ge=0, le=86400, description="On SIGTERM: finish held leases for at most this long, then return the rest."
     )
     max_weight_bytes: int = Field(
         1 << 40, ge=1, description="Refuse a WeightsReady whose layout is larger than this (guards allocations)."
+    )
+    ack_log: str | None = Field(
+        None,
+        description="Append how many chunks each hub ack confirmed to this file (audits: acked vs persisted).",
     )
 
 
@@ -484,6 +533,23 @@ class SftConfig(_Section):
     )
 
 
+class SecurityConfig(_Section):
+    """Authentication of the ZeroMQ links (flywheel/netsec.py). Every service binds 127.0.0.1 unless its
+    host is set (hub.host, sync.host, rm.host)."""
+
+    curve: bool = Field(
+        False,
+        description="Encrypt and authenticate every ZeroMQ link (hub generator and reward ports, weight-sync "
+        "announce and join ports) with CURVE: servers accept only clients whose public key is in "
+        "<keys_dir>/authorized.",
+    )
+    keys_dir: str | None = Field(
+        None,
+        description="CURVE keys made by `flywheel keys DIR` (server.key, client.key, their .key_secret files, "
+        "authorized/). Unset with curve on: flywheel run makes a set in <run_dir>/keys; services need it set.",
+    )
+
+
 ServiceName = Literal["redis", "hub", "reward", "generator", "learner"]
 
 
@@ -510,6 +576,12 @@ class LaunchConfig(_Section):
     learner_procs: int = Field(1, ge=1, le=1024, description="Learner ranks (data parallel, via torchrun).")
     learner_threads: int = Field(1, ge=1, le=1024, description="OMP threads per learner rank (CPUs).")
     ready_timeout_s: float = Field(600, gt=0, description="Longest a service may take to become ready.")
+    restart: bool = Field(
+        True,
+        description="Restart a service that dies (kill -9, OOM; not a bad configuration, exit code 2): Redis "
+        "from its AOF, the learner from its latest checkpoint (train.checkpoint_every), the others reconnect.",
+    )
+    max_restarts: int = Field(5, ge=0, le=100_000, description="Restarts per service before the run fails.")
     display: bool = Field(True, description="Live progress display (off: one log line every few seconds).")
     ray_address: str | None = Field(None, description="Ray cluster address for launcher ray (unset: a local Ray).")
     cpus_per_service: float = Field(1.0, ge=0, le=1024, description="Ray: CPUs reserved for each service.")
@@ -587,6 +659,7 @@ class FlywheelConfig(_Section):
     sft: SftConfig = Field(default_factory=SftConfig, description="Supervised warm start.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="The flywheel run launcher.")
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig, description="Generator autoscaling.")
+    security: SecurityConfig = Field(default_factory=SecurityConfig, description="Link authentication.")
 
     @model_validator(mode="after")
     def _algorithm_is_consistent(self) -> FlywheelConfig:
@@ -677,8 +750,16 @@ def _explain(err: ValidationError) -> str:
             lines.append(f"unknown key `{path}`{hint}")
         else:
             where = f"`{path}`: " if path else ""
-            lines.append(f"{where}{e['msg']} (got {e.get('input')!r})")
+            lines.append(f"{where}{e['msg']} (got {mask_credentials(repr(e.get('input')))})")
     return "invalid config:\n  " + "\n  ".join(lines)
+
+
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^/@\s:'\"]*):[^/@\s'\"]*@")
+
+
+def mask_credentials(text: str) -> str:
+    """``text`` with the password of every URL in it replaced by ``***`` (for logs and messages)."""
+    return _URL_PASSWORD.sub(r"\1:***@", text)
 
 
 def load_config(argv: list[str] | None = None, recipe: str | Path | None = None) -> FlywheelConfig:

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from flywheel.config import FlywheelConfig, load_config
 from flywheel.hub_client import BatchClient
+from flywheel.netsec import create_keys
 from flywheel.procs import Service, wait_for_state_file
 from flywheel.redis_server import RedisServer
 from flywheel.staleness import StalenessPolicy
@@ -57,6 +58,12 @@ def run_demo(overrides: list[str], steps: int = 12, generators: int = 3, train_s
         "4",
     ]
     cfg = load_config(base + overrides)
+    keys: list[str] = []  # the simulated generators' CURVE keys (security.curve)
+    if cfg.security.curve:
+        if cfg.security.keys_dir is None:
+            overrides = [*overrides, "--security.keys_dir", str(create_keys(work / "keys"))]
+            cfg = load_config(base + overrides)
+        keys = ["--keys-dir", str(cfg.security.keys_dir)]
     services: list[Service] = []
     try:
         hub = Service("hub", "buffer", base + overrides, work)
@@ -87,6 +94,7 @@ def run_demo(overrides: list[str], steps: int = 12, generators: int = 3, train_s
                         redis_server.url,
                         "--run",
                         cfg.run.name,
+                        *keys,
                     ],
                     work,
                 )

@@ -7,10 +7,15 @@ on the learner's data path.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
+import urllib.request
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import redis
@@ -30,6 +35,9 @@ from flywheel.store import (
     unpack,
 )
 from flywheel.wire import unpack_f32, unpack_i32
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -78,18 +86,45 @@ class BatchTimeout(TimeoutError):
 class BatchClient:
     """Claims batches for a learner at a known version. One per learner process."""
 
-    def __init__(self, client: redis.Redis, run: str, policy: StalenessPolicy) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        run: str,
+        policy: StalenessPolicy,
+        claims_log: str | None = None,
+        redis_outage_s: float = 60.0,
+    ) -> None:
         self.redis = client
         self.keys = RunKeys(run)
         self.policy = policy
         self._claim = client.register_script(CLAIM_SCRIPT)
+        # Every group id this client claimed, one line per claim, written unbuffered before the
+        # data is read: an audit (tests/chaos) checks no group was ever served twice.
+        self._claims_log = os.open(claims_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if claims_log else None
+        self.redis_outage_s = redis_outage_s  # how long a restarting Redis is waited for
 
     def set_version(self, version: int) -> None:
         """Publish the learner's policy version (after each optimizer step)."""
-        self.redis.set(self.keys.version, version)
+        self._retry(lambda: self.redis.set(self.keys.version, version), "publishing the version")
+
+    def _retry(self, call: Callable[[], T], what: str) -> T:
+        """``call``, again while Redis is unreachable (restarting from its AOF), for at most
+        ``redis_outage_s``; then the connection error is raised."""
+        deadline = time.monotonic() + self.redis_outage_s
+        warned = False
+        while True:
+            try:
+                return call()
+            except (redis.ConnectionError, redis.TimeoutError) as err:
+                if time.monotonic() > deadline:
+                    raise
+                if not warned:
+                    log.warning("redis unreachable while %s (%s): retrying for %.0fs", what, err, self.redis_outage_s)
+                    warned = True
+                time.sleep(0.2)
 
     def get_version(self) -> int:
-        raw = self.redis.get(self.keys.version)
+        raw = self._retry(lambda: self.redis.get(self.keys.version), "reading the version")
         return int(raw) if raw is not None else 0
 
     def try_claim(self, n_groups: int, learner_version: int) -> tuple[list[tuple[int, int]], int]:
@@ -107,9 +142,11 @@ class BatchClient:
         start = time.monotonic()
         dropped_total = 0
         while True:
-            pairs, dropped = self.try_claim(n_groups, learner_version)
+            pairs, dropped = self._retry(lambda: self.try_claim(n_groups, learner_version), "claiming a batch")
             dropped_total += dropped
             if pairs:
+                if self._claims_log is not None:
+                    os.write(self._claims_log, (" ".join(str(gid) for gid, _ in pairs) + "\n").encode())
                 break
             if time.monotonic() - start > timeout_s:
                 ready = self.redis.zcard(self.keys.ready)
@@ -117,7 +154,7 @@ class BatchClient:
                     f"no batch of {n_groups} groups within {timeout_s:.1f}s ({ready} ready); is the hub running and are generators connected?"
                 )
             time.sleep(poll_s)
-        groups = self._load(pairs, learner_version)
+        groups = self._retry(lambda: self._load(pairs, learner_version), "loading a claimed batch")
         return Batch(learner_version, groups, dropped_total, time.monotonic() - start, [g.staleness for g in groups])
 
     def _load(self, pairs: list[tuple[int, int]], learner_version: int) -> list[RolloutGroup]:
@@ -214,3 +251,18 @@ class ClaimsAhead:
 
     def close(self) -> None:
         self._ahead = None
+
+
+def hub_metrics(host: str, port: int, timeout_s: float = 2.0) -> dict[str, float]:
+    """The hub's Prometheus gauges and counters (``flywheel_hub_`` and ``_total`` stripped); empty
+    when the hub does not answer (not started yet, or restarting)."""
+    try:
+        body = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s).read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in body.splitlines():
+        if line.startswith("flywheel_hub_") and "{" not in line:
+            name, _, value = line.rpartition(" ")
+            out[name.removeprefix("flywheel_hub_").removesuffix("_total")] = float(value)
+    return out

@@ -5,9 +5,14 @@ supervised warm start -> the hub -> the reward service -> the generators (waited
 register) -> the learner. Then one live display for the whole system until the learner reaches
 ``train.total_steps``; then the final evaluation and the run report.
 
-A service that exits early stops the run: everything is shut down (generators drain, Redis
-last) and the launcher names the service, its exit code and the end of its log. Ctrl-C does the
-same. Each service runs in its own process group and gets SIGTERM if the launcher itself dies.
+A service that dies (kill -9, out of memory, a crash) is started again with the same flags
+(``launch.restart``, at most ``launch.max_restarts`` times each): Redis from its AOF on the same
+port, the hub on the same ports (so its peers reconnect by themselves), the learner from its
+latest checkpoint. A bad configuration (exit code 2), or one restart too many, stops the run:
+everything is shut down (generators drain, Redis last) and the launcher names the service, its
+exit code and the end of its log. Ctrl-C does the same. Each service runs in its own process
+group and gets SIGTERM if the launcher itself dies. ``<run_dir>/services.json`` names every
+running service's pid (chaos tests read it).
 
 GPUs: on a machine with CUDA GPUs each GPU service gets its own (``assign_gpus``): the learner's
 ranks the first ones, then each generator as many as its tensor-parallel size; the warm start and
@@ -23,7 +28,7 @@ import shutil
 import signal
 import subprocess
 import time
-import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -36,6 +41,8 @@ from rich.table import Table
 
 from flywheel.autoscale import Autoscaler, CommandBackend, ServiceBackend
 from flywheel.config import FlywheelConfig
+from flywheel.hub_client import hub_metrics
+from flywheel.netsec import check_keys, create_keys, redis_password
 from flywheel.procs import Service, ServiceHandle, wait_for_state_file
 from flywheel.redis_server import RedisServer, free_port
 from flywheel.tasks import arithmetic_rows, write_jsonl
@@ -130,6 +137,8 @@ class LocalLaunch:
         self.eval_end: dict[str, Any] | None = None
         self.generators: list[ServiceHandle] = []
         self.autoscaler: Autoscaler | None = None
+        self.recipes: dict[str, tuple[str, list[str], dict[str, str] | None]] = {}  # how to start it again
+        self.restarts: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ the run
 
@@ -162,8 +171,24 @@ class LocalLaunch:
     # The hooks a launcher on other machinery (Ray) overrides: where services run and are reached.
 
     def _start_redis(self) -> str:
-        self.redis = RedisServer(self.run_dir / "redis", appendfsync=self.cfg.redis.appendfsync)
+        password, user = redis_password(self.cfg.redis), self.cfg.redis.username
+        self.redis = RedisServer(
+            self.run_dir / "redis", appendfsync=self.cfg.redis.appendfsync, password=password, username=user
+        )
         return self.redis.url
+
+    def _redis_died(self) -> int | None:
+        """Redis's exit code once it died (None while it runs, or when this launcher has none)."""
+        return None if self.redis is None else self.redis.proc.poll()
+
+    def _restart_redis(self) -> None:
+        """The same port and directory: it reloads its AOF, and every client reconnects."""
+        assert self.redis is not None
+        old = self.redis
+        old.stop()
+        self.redis = RedisServer(
+            old.dir, port=old.port, appendfsync=self.cfg.redis.appendfsync, password=old.password, username=old.username
+        )
 
     def _service(self, name: str, module: str, *args: str, env: dict[str, str] | None = None) -> ServiceHandle:
         """Start ``python -m module args`` as the service ``name``; returns a handle with name,
@@ -171,7 +196,22 @@ class LocalLaunch:
         gpu = {"CUDA_VISIBLE_DEVICES": self.gpu_plan[name]} if name in self.gpu_plan else {}
         svc = Service(name, module, list(args), self.logs, env={**self._env(), **gpu, **(env or {})})
         self.services.append(svc)
+        self._started(name, module, list(args), env)
         return svc
+
+    def _started(self, name: str, module: str, args: list[str], env: dict[str, str] | None) -> None:
+        """Remember how ``name`` was started (to restart it) and publish every pid."""
+        self.recipes[name] = (module, args, env)
+        self._publish_pids()
+
+    def _publish_pids(self) -> None:
+        pids = {svc.name: getattr(svc, "pid", None) for svc in self.services}
+        redis_url = None
+        if self.redis is not None:
+            pids["redis"], redis_url = self.redis.proc.pid, self.redis.url
+        tmp = self.run_dir / "services.json.tmp"
+        tmp.write_text(json.dumps({"pids": pids, "restarts": dict(self.restarts), "redis_url": redis_url}))
+        tmp.replace(self.run_dir / "services.json")
 
     @cached_property
     def gpu_plan(self) -> dict[str, str]:
@@ -223,6 +263,14 @@ class LocalLaunch:
 
     def _prepare(self) -> None:
         cfg, start = self.cfg, self.cfg.launch.services
+        if cfg.security.curve:
+            if cfg.security.keys_dir is None:  # a fresh set for this run (kept when it resumes)
+                keys = create_keys(self.run_dir / "keys", reuse=True)
+                self.overrides += ["--security.keys_dir", str(keys)]
+                self.console.print(f"CURVE keys: {keys}")
+            else:
+                check_keys(cfg.security, server=True)
+                check_keys(cfg.security, server=False)
         if "redis" in start:
             url = self._start_redis()
             self.overrides += ["--redis.url", url]
@@ -292,6 +340,10 @@ class LocalLaunch:
                 ),
             )  # fmt: skip
             self.hub_ports = self._read_state(hub, state)
+            # a restarted hub takes the same ports, so every peer reconnects to it by itself
+            module, args, env = self.recipes["hub"]
+            for key in ("generator_port", "reward_port", "metrics_port"):
+                args[args.index(f"--hub.{key}") + 1] = str(self.hub_ports[key])
             hub_host = self._host("hub")
             self.overrides += [
                 "--reward.hub_address",
@@ -314,6 +366,8 @@ class LocalLaunch:
         if "learner" in start:
             run_dir, export = str(self.run_dir), str(self.run_dir / "final_model")
             flags = self._flags("--train.run_dir", run_dir, "--train.export_dir", export)
+            if cfg.launch.restart and not cfg.train.checkpoint_dir:  # a restarted learner resumes from here
+                flags += ["--train.checkpoint_dir", str(self.run_dir / "checkpoints")]
             procs = cfg.launch.learner_procs
             env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(cfg.launch.learner_threads))}
             if procs == 1:
@@ -323,7 +377,10 @@ class LocalLaunch:
                 self._service("learner", "torch.distributed.run", *launcher, *flags, env=env)
 
     def _start_generator(self, i: int) -> ServiceHandle:
-        return self._service(f"generator{i}", "generators", *self._flags("--generator.id", f"gen{i}"))
+        acks = self.run_dir / "acks"
+        acks.mkdir(exist_ok=True)
+        flags = self._flags("--generator.id", f"gen{i}", "--generator.ack_log", str(acks / f"gen{i}.log"))
+        return self._service(f"generator{i}", "generators", *flags)
 
     def _retire_generator(self, svc: ServiceHandle) -> None:
         """Scale-down: SIGTERM, so it drains (finishes or gives back its leases) before it exits."""
@@ -355,14 +412,39 @@ class LocalLaunch:
         self.console.print(f"{n} generator(s) registered ({time.monotonic() - self.started:.0f}s since start)")
 
     def _check_alive(self) -> ServiceHandle | None:
-        """Raise for a service that died; return the learner once it finished cleanly."""
-        for svc in self.services:
+        """Restart (or raise for) a service that died; return the learner once it finished cleanly."""
+        code = self._redis_died()
+        if code is not None:  # first: the hub and the learner need it
+            if not self.cfg.launch.restart or self.restarts["redis"] >= self.cfg.launch.max_restarts:
+                raise RuntimeError(f"redis-server exited with code {code}; see {self.run_dir / 'redis'}")
+            self.restarts["redis"] += 1
+            self.console.print(f"[yellow]redis exited with code {code}: restart {self.restarts['redis']}")
+            self._restart_redis()
+            self._publish_pids()
+        for svc in list(self.services):
             if svc.alive() or svc.name in ("sft", "eval_start", "eval_end"):
                 continue
             if svc.name == "learner" and svc.returncode == 0:
                 return svc
-            raise ServiceFailed(svc, f"exited with code {svc.returncode}")
+            self._restart(svc)
         return None
+
+    def _restart(self, svc: ServiceHandle) -> None:
+        code, la = svc.returncode, self.cfg.launch
+        if not la.restart or code == 2:  # 2: a bad configuration, which a restart cannot fix
+            raise ServiceFailed(svc, f"exited with code {code}")
+        if self.restarts[svc.name] >= la.max_restarts:
+            raise ServiceFailed(svc, f"exited with code {code} after {self.restarts[svc.name]} restarts")
+        self.restarts[svc.name] += 1
+        self.console.print(f"[yellow]{svc.name} exited with code {code}: restart {self.restarts[svc.name]}")
+        self.services.remove(svc)
+        svc.stop(timeout_s=5)  # whatever of its process group is left (vLLM's engine core) goes too
+        module, args, env = self.recipes[svc.name]
+        if svc.name == "learner" and "--train.resume" not in args:
+            args = [*args, "--train.resume", "true"]
+        new = self._service(svc.name, module, *args, env=env)
+        if svc in self.generators:  # the autoscaler's list
+            self.generators[self.generators.index(svc)] = new
 
     # ------------------------------------------------------------------ watching
 
@@ -411,19 +493,7 @@ class LocalLaunch:
 
     def _hub_metrics(self) -> dict[str, float]:
         port = self.hub_ports.get("metrics_port")
-        if not port:
-            return {}
-        try:
-            url = f"http://{self._host('hub')}:{port}/metrics"
-            body = urllib.request.urlopen(url, timeout=2).read().decode()
-        except OSError:
-            return {}
-        out = {}
-        for line in body.splitlines():
-            if line.startswith("flywheel_hub_") and "{" not in line:
-                name, _, value = line.rpartition(" ")
-                out[name.removeprefix("flywheel_hub_").removesuffix("_total")] = float(value)
-        return out
+        return hub_metrics(self._host("hub"), port) if port else {}
 
     def _sample(self) -> None:
         m = self._hub_metrics()

@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from flywheel.config import FlywheelConfig
 from flywheel.launcher import LocalLaunch
+from flywheel.netsec import redis_password
 from flywheel.procs import Service, ServiceHandle, wait_for_state_file
 from flywheel.redis_server import RedisServer
 
@@ -53,8 +54,8 @@ _ServiceActor: Any = ray.remote(num_cpus=0)(ServiceRunner)
 
 
 class RedisRunner:
-    def __init__(self, data_dir: str, bind: str, appendfsync: str) -> None:
-        self.server = RedisServer(data_dir, appendfsync=appendfsync, bind=bind)
+    def __init__(self, data_dir: str, bind: str, appendfsync: str, password: str | None, username: str | None) -> None:
+        self.server = RedisServer(data_dir, appendfsync=appendfsync, bind=bind, password=password, username=username)
 
     def port(self) -> int:
         return self.server.port
@@ -141,7 +142,11 @@ class RayLaunch(LocalLaunch):
     def _start_redis(self) -> str:
         bind = "0.0.0.0" if self.spread else "127.0.0.1"
         self._redis_actor = _RedisActor.options(scheduling_strategy=self._strategy("hub")).remote(
-            str(self.run_dir / "redis"), bind, self.cfg.redis.appendfsync
+            str(self.run_dir / "redis"),
+            bind,
+            self.cfg.redis.appendfsync,
+            redis_password(self.cfg.redis),
+            self.cfg.redis.username,
         )
         port = ray.get(self._redis_actor.port.remote(), timeout=CALL_TIMEOUT_S)
         return f"redis://{self._host('hub')}:{port}/0"
@@ -166,6 +171,7 @@ class RayLaunch(LocalLaunch):
         )
         svc = RayService(name, actor, self.logs / f"{name}.log")
         self.services.append(svc)
+        self._started(name, module, list(args), env)
         self.console.print(f"ray: {name} on {where}")
         return svc
 

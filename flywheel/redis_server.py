@@ -1,13 +1,16 @@
-"""A private redis-server for one run (launcher, tests, benchmarks): AOF on, free port."""
+"""A private redis-server for one run (launcher, tests, benchmarks): AOF on, free port, and a
+password (``requirepass``, or an ACL user) when one is given."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -18,8 +21,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _quoted(value: str) -> str:
+    """A redis.conf argument: double-quoted, so spaces and quotes in a password survive."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 class RedisServer:
-    """Starts ``redis-server`` with append-only persistence; stops only the process it started."""
+    """Starts ``redis-server`` with append-only persistence; stops only the process it started.
+
+    With ``password``: clients must AUTH, as the default user (``requirepass``) or, with
+    ``username``, as that ACL user (all rights; the default user is switched off). The password
+    goes into a 0600 config file in the data directory, never onto the command line."""
 
     def __init__(
         self,
@@ -27,6 +39,8 @@ class RedisServer:
         port: int | None = None,
         appendfsync: str = "everysec",
         bind: str = "127.0.0.1",
+        password: str | None = None,
+        username: str | None = None,
     ) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
@@ -35,9 +49,11 @@ class RedisServer:
         self.dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="flywheel-redis-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.url = f"redis://127.0.0.1:{self.port}/0"  # never with credentials: it is shown and logged
+        self.password, self.username = password, username if password is not None else None
         args = [
             exe,
+            *self._auth_config(),
             "--port",
             str(self.port),
             "--bind",
@@ -62,9 +78,24 @@ class RedisServer:
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
         self._wait_ready(timeout_s=10.0)
 
+    def _auth_config(self) -> list[str]:
+        """The config file holding the password (it must be redis-server's first argument)."""
+        if self.password is None:
+            return []
+        if self.username not in (None, "default"):
+            lines = ["user default off", f"user {_quoted(self.username)} on {_quoted('>' + self.password)} ~* &* +@all"]
+        else:
+            lines = [f"requirepass {_quoted(self.password)}"]
+        path = self.dir / "auth.conf"
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return [str(path)]
+
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis.from_url(self.url, socket_timeout=1.0)
+        client = self.client(socket_timeout=1.0)
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.log_path}")
@@ -77,8 +108,13 @@ class RedisServer:
                     raise TimeoutError(f"redis-server on port {self.port} not ready after {timeout_s}s") from None
                 time.sleep(0.02)
 
-    def client(self, **kwargs: object) -> redis.Redis:
-        return redis.Redis.from_url(self.url, socket_timeout=10.0, **kwargs)
+    def client(self, **kwargs: Any) -> redis.Redis:
+        """A client that authenticates when the server wants it."""
+        kwargs.setdefault("socket_timeout", 10.0)
+        if self.password is not None:
+            kwargs.setdefault("password", self.password)
+            kwargs.setdefault("username", self.username)
+        return redis.Redis.from_url(self.url, **kwargs)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -11,7 +11,10 @@ Nothing here is ever unpickled: msgspec builds only the structs named below.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
+from collections import Counter
 
 import msgspec
 import numpy as np
@@ -75,6 +78,32 @@ def _check_packed(data: bytes, itemsize: int, field: str) -> int:
 
 def _check_nonneg(value: int, field: str) -> None:
     _require(value >= 0, field, f"must be >= 0, got {value}")
+
+
+class Rejections:
+    """Messages a receiver refused, counted by reason in ``counts``.
+
+    Each reason is logged at most once per ``interval_s``, with how many were suppressed since:
+    a flood of garbage costs a counter increment per message, not a log line.
+    """
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self.counts: Counter[str] = Counter()
+        self.interval_s = interval_s
+        self._log = logger
+        self._last: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+
+    def reject(self, reason: str, detail: object, peer: bytes | str = b"") -> None:
+        self.counts[reason] += 1
+        now = time.monotonic()
+        if now - self._last.get(reason, -math.inf) >= self.interval_s:
+            more = self._suppressed.pop(reason, 0)
+            suffix = f" (+{more} more since last report)" if more else ""
+            self._log.warning("rejected %s from %r: %s%s", reason, peer, detail, suffix)
+            self._last[reason] = now
+        else:
+            self._suppressed[reason] += 1
 
 
 class Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
@@ -219,6 +248,16 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
 
+    def check(self) -> None:
+        # What vLLM would refuse (or crash on) later, refused here, on receipt.
+        _require(1 <= self.max_tokens <= 1 << 24, "sampling.max_tokens", f"must be in 1..2^24, got {self.max_tokens}")
+        ok = math.isfinite(self.temperature) and self.temperature >= 0
+        _require(ok, "sampling.temperature", f"must be finite and >= 0, got {self.temperature}")
+        _require(0 < self.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.top_k >= -1, "sampling.top_k", f"must be -1 (off) or >= 0, got {self.top_k}")
+        _require(len(self.stop_token_ids) <= 65536, "sampling.stop_token_ids", "too many stop tokens")
+        _require(all(t >= 0 for t in self.stop_token_ids), "sampling.stop_token_ids", "token ids must be >= 0")
+
 
 class Lease(Message, tag=True):
     """Work for a generator: generate ``samples`` of one prompt group before ``deadline``."""
@@ -235,7 +274,9 @@ class Lease(Message, tag=True):
         _check_nonneg(self.lease_id, "lease_id")
         _check_nonneg(self.group_id, "group_id")
         _require(_check_packed(self.prompt_tokens, 4, "prompt_tokens") > 0, "prompt_tokens", "empty prompt")
-        _require(len(self.samples) > 0, "samples", "a lease needs at least one sample")
+        _require(0 < len(self.samples) <= 65536, "samples", "a lease needs 1..65536 samples")
+        _require(all(0 <= s < 65536 for s in self.samples), "samples", "sample indices must be in 0..65535")
+        self.sampling.check()
         _check_nonneg(self.min_version, "min_version")
         _require(math.isfinite(self.deadline), "deadline", "must be a finite unix time")
 

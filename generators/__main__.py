@@ -31,8 +31,17 @@ async def serve(cfg: FlywheelConfig, max_seconds: float | None = None) -> int:
         gcfg.capacity,
         resend_after_s=gcfg.resend_after_s,
         heartbeat_s=gcfg.heartbeat_s,
+        ack_log=gcfg.ack_log,
+        security=cfg.security,
     )
-    sync = SyncLink(cfg.sync.host, cfg.sync.announce_port, cfg.sync.join_port, generator_id, gcfg.tensor_parallel_size)
+    sync = SyncLink(
+        cfg.sync.host,
+        cfg.sync.announce_port,
+        cfg.sync.join_port,
+        generator_id,
+        gcfg.tensor_parallel_size,
+        security=cfg.security,
+    )
     service = GeneratorService(cfg, engine, link, sync, generator_id, engine_max_model_len(engine))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -58,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         return cfg
     if cfg.generator.model is None:
         print("flywheel-generator: generator.model is required: pass --generator.model PATH", file=sys.stderr)
+        return 2
+    from flywheel.netsec import check_keys
+
+    try:
+        check_keys(cfg.security, server=False)
+    except ValueError as err:
+        print(f"flywheel-generator: {err}", file=sys.stderr)
         return 2
     setup_logging("generator", cfg.run.log_level)
     return asyncio.run(serve(cfg))

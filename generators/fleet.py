@@ -66,6 +66,8 @@ class EngineStats:
     busy_seq_s: float = 0.0  # sequence-seconds decoding
     paused_s: float = 0.0
     updates: int = 0
+    acked: int = 0  # chunks the hub acknowledged (durable in Redis)
+    acked_tokens: int = 0
 
 
 @dataclass
@@ -82,9 +84,13 @@ class SimEngine:
     pending_version: int | None = None
     next_flush: float = 0.0
     stats: EngineStats = field(default_factory=EngineStats)
+    # when auditing (bench/load.py): (group, sample, lease) -> [tokens, seq, seq, ...] acknowledged,
+    # shared by the engines of a process
+    audit: dict[tuple[int, int, int], list[int]] | None = None
 
     def tick(self, now: float, dt: float, version: int) -> None:
         inbox = self.link.poll(0)
+        self._note_acks(inbox.acked_chunks)
         for lease in inbox.leases:
             self._start(lease)
         for lease_id in inbox.revoked:
@@ -102,6 +108,20 @@ class SimEngine:
                 self._flush()
         self.link.resend_due()
         self.link.heartbeat()
+
+    def take_acks(self) -> None:
+        """Count the acks already delivered, and nothing else (the fleet is stopping)."""
+        self._note_acks(self.link.poll(0).acked_chunks)
+
+    def _note_acks(self, chunks: list[Chunk]) -> None:
+        self.stats.acked += len(chunks)
+        for c in chunks:
+            n = len(c.tokens) >> 2
+            self.stats.acked_tokens += n
+            if self.audit is not None:
+                entry = self.audit.setdefault((c.group_id, c.sample, c.lease_id), [0])
+                entry[0] += n
+                entry.append(c.seq)
 
     def _follow(self, now: float, version: int) -> None:
         """A new learner version: send what the old weights made, pause for the update, then
@@ -205,13 +225,28 @@ def fleet_stats(engines: list[SimEngine]) -> dict[str, float]:
         "paused_s": sum(e.stats.paused_s for e in engines),
         "updates": sum(e.stats.updates for e in engines),
         "resent": sum(e.link.resent for e in engines),
+        "acked": sum(e.stats.acked for e in engines),
+        "acked_tokens": sum(e.stats.acked_tokens for e in engines),
+        "unacked": sum(len(e.link.unacked) for e in engines),
     }
+
+
+def write_audit(path: str, engines: list[SimEngine], latency_samples: int = 20_000) -> None:
+    """Every chunk acknowledged, as rows [group, sample, lease, tokens, [seqs]], and an evenly
+    strided sample of the engines' ack latencies (send -> ack, seconds)."""
+    audit = engines[0].audit if engines else None
+    rows = [[g, s, lease, e[0], e[1:]] for (g, s, lease), e in (audit or {}).items()]
+    lat = np.concatenate([np.asarray(e.link.ack_latency_s) for e in engines]) if engines else np.zeros(0)
+    lat = lat[:: max(1, len(lat) // latency_samples)]
+    with open(path + ".tmp", "w") as f:
+        json.dump({"acked": rows, "ack_latency_s": lat.tolist()}, f)
+    os.replace(path + ".tmp", path)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="generators.fleet", description=__doc__)
     p.add_argument("--hub", required=True, help="hub generator address")
-    p.add_argument("--redis", required=True, help="redis URL (the learner's version)")
+    p.add_argument("--redis", required=True, help="redis URL (the learner's version; redis://user:pass@... with AUTH)")
     p.add_argument("--run", required=True, help="run name")
     p.add_argument("--engines", type=int, required=True)
     p.add_argument("--first", type=int, default=0, help="index of this process's first engine (its id)")
@@ -223,11 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--update-s", type=float, default=EngineModel.update_s)
     p.add_argument("--flush-s", type=float, default=EngineModel.flush_s)
     p.add_argument("--tick-s", type=float, default=0.01)
+    p.add_argument("--window", type=int, default=8192, help="unacknowledged chunks per engine before it stalls")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stats-file", default=None, help="cumulative figures, rewritten every second")
+    p.add_argument("--audit-file", default=None, help="at exit: every chunk acknowledged, and ack latencies")
+    p.add_argument("--keys-dir", default=None, help="CURVE keys (`flywheel keys DIR`) of a hub with security.curve")
     args = p.parse_args(argv)
     import redis
 
+    from flywheel.config import SecurityConfig
     from flywheel.logs import setup_logging
     from flywheel.store import RunKeys
 
@@ -235,13 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     model = EngineModel(args.t0, args.t1, args.median_len, args.sigma, args.update_s, args.flush_s)
     rng = np.random.default_rng(args.seed)
     pools = random_pools(rng)
+    audit: dict[tuple[int, int, int], list[int]] | None = {} if args.audit_file else None
+    security = SecurityConfig(curve=True, keys_dir=args.keys_dir) if args.keys_dir else None
     engines = [
         SimEngine(
-            HubLink(args.hub, f"sim{args.first + i}", "simulated", args.capacity),
+            HubLink(
+                args.hub, f"sim{args.first + i}", "simulated", args.capacity, max_unacked=args.window, security=security
+            ),
             model,
             np.random.default_rng([args.seed, args.first + i]),
             pools,
             next_flush=time.monotonic() + model.flush_s * i / args.engines,  # staggered flushes
+            audit=audit,
         )
         for i in range(args.engines)
     ]
@@ -264,7 +308,14 @@ def main(argv: list[str] | None = None) -> int:
             os.replace(args.stats_file + ".tmp", args.stats_file)
 
     run_fleet(engines, lambda: int(client.get(key) or 0), args.tick_s, lambda: stop, write_stats)
+    drain_until = time.monotonic() + 0.5  # stopped producing: take the acks already on their way
+    while time.monotonic() < drain_until:
+        for e in engines:
+            e.take_acks()
+        time.sleep(0.05)
     write_stats()
+    if args.audit_file:
+        write_audit(args.audit_file, engines)
     for e in engines:
         e.link.close()
     return 0

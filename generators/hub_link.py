@@ -1,19 +1,23 @@
 """A generator's connection to the hub: register, heartbeat, take leases, stream chunks.
 
 Chunks stay in ``unacked`` until the hub acknowledges them (after its Redis write) and are
-resent after ``resend_after_s``; the hub drops duplicates, so resending is always safe. This is
-what makes a hub restart lose nothing.
+resent once unacknowledged for longer than the resend timeout (``resend_after_s`` at least; it
+follows the ack latency and backs off while resends go unanswered); the hub drops duplicates, so
+resending is always safe. This is what makes a hub restart lose nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
 import zmq
 
+from flywheel.config import SecurityConfig
+from flywheel.netsec import curve_client
 from flywheel.wire import (
     Chunk,
     ChunkAck,
@@ -23,6 +27,7 @@ from flywheel.wire import (
     Lease,
     Register,
     RegisterAgain,
+    Rejections,
     Release,
     Revoke,
     ToGenerator,
@@ -34,12 +39,15 @@ from flywheel.wire import (
 
 log = logging.getLogger(__name__)
 
+MAX_BACKOFF = 8  # the resend timeout grows at most this many times while resends go unanswered
+
 
 @dataclass
 class Inbox:
     leases: list[Lease] = field(default_factory=list)
     revoked: list[int] = field(default_factory=list)
     acked: int = 0
+    acked_chunks: list[Chunk] = field(default_factory=list)  # the chunks counted in ``acked``
     rejected: int = 0
 
 
@@ -54,8 +62,14 @@ class HubLink:
         heartbeat_s: float = 0.5,
         hwm: int = 10000,
         max_unacked: int = 8192,
+        ack_log: str | None = None,
+        security: SecurityConfig | None = None,
+        max_message_bytes: int = 64 << 20,
     ) -> None:
         self.generator_id = generator_id
+        # One line per ack message: how many chunks it confirmed. Written straight to the file
+        # (no buffer), so it survives a kill -9 of this process; tests/chaos sum it.
+        self._ack_log = os.open(ack_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if ack_log else None
         self.model = model
         self.capacity = capacity
         self.resend_after_s = resend_after_s
@@ -67,9 +81,23 @@ class HubLink:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
+        # As the hub does: frames over the checked limit are counted; far over it, ZMQ drops them.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)
+        curve_client(self.sock, security)
         self.sock.connect(address)
-        self.decoder = Decoder(ToGenerator)
-        self.unacked: dict[tuple[int, int, int], tuple[Chunk, float]] = {}
+        self.decoder = Decoder(ToGenerator, max_bytes=max_message_bytes)
+        self.rejects = Rejections(log)  # what the hub sent that failed validation, by reason
+        # (group, sample, seq) -> (chunk, when sent, whether it is a resend), in send order
+        self.unacked: dict[tuple[int, int, int], tuple[Chunk, float, bool]] = {}
+        # The resend timeout adapts to the ack latency as TCP's does (Jacobson/Karels: smoothed
+        # latency + 4 deviations, never below resend_after_s; Karn: acks of resent chunks are no
+        # sample) and doubles after each resend until a fresh ack (at most MAX_BACKOFF times). A
+        # hub that is slow, not gone, then gets no flood of duplicates on top of its backlog: at
+        # 1000 generators, fixed 2 s resends turned a few seconds of lag into a resend storm that
+        # filled the hub's receive queues (bench/load.py).
+        self._srtt: float | None = None
+        self._rttvar = 0.0
+        self._backoff = 1
         self._last_heartbeat = 0.0
         self._last_resend_check = 0.0
         self.weight_version = 0
@@ -118,31 +146,51 @@ class HubLink:
         slows its generators instead of growing queues (and latency) without bound."""
         return len(self.unacked) >= self.max_unacked
 
-    def send_chunks(self, chunks: list[Chunk]) -> None:
+    def send_chunks(self, chunks: list[Chunk], resend: bool = False) -> None:
         if not chunks:
             return
         now = time.monotonic()
         for c in chunks:
-            self.unacked[(c.group_id, c.sample, c.seq)] = (c, now)
+            self.unacked[(c.group_id, c.sample, c.seq)] = (c, now, resend)
         self._send(encode(ChunkBatch(generator_id=self.generator_id, chunks=chunks)))
 
+    def resend_timeout_s(self) -> float:
+        adaptive = self.resend_after_s if self._srtt is None else self._srtt + 4 * self._rttvar
+        return max(self.resend_after_s, adaptive) * self._backoff
+
     def resend_due(self) -> int:
-        """Resend every chunk unacknowledged for longer than ``resend_after_s``."""
+        """Resend every chunk unacknowledged for longer than ``resend_timeout_s()``."""
         now = time.monotonic()
         if now - self._last_resend_check < min(0.1, self.resend_after_s):
             return 0
         self._last_resend_check = now
         due = []
-        for c, sent in self.unacked.values():  # insertion order is send order: oldest first
-            if now - sent < self.resend_after_s:
+        timeout = self.resend_timeout_s()
+        for c, sent, _ in self.unacked.values():  # insertion order is send order: oldest first
+            if now - sent < timeout:
                 break
             due.append(c)
+        if not due:
+            return 0
         self.resent += len(due)
+        self._backoff = min(2 * self._backoff, MAX_BACKOFF)
         for c in due:  # re-inserted at the end by send_chunks, keeping the order
             del self.unacked[(c.group_id, c.sample, c.seq)]
         for i in range(0, len(due), 256):
-            self.send_chunks(due[i : i + 256])
+            self.send_chunks(due[i : i + 256], resend=True)
         return len(due)
+
+    def _note_ack_latency(self, seconds: float, resent: bool) -> None:
+        if len(self.ack_latency_s) < 1_000_000:
+            self.ack_latency_s.append(seconds)
+        if resent:  # either copy may have been acked: no latency sample (Karn)
+            return
+        if self._srtt is None:
+            self._srtt, self._rttvar = seconds, seconds / 2
+        else:
+            self._rttvar += (abs(self._srtt - seconds) - self._rttvar) / 4
+            self._srtt += (seconds - self._srtt) / 8
+        self._backoff = 1
 
     def poll(self, timeout_ms: int) -> Inbox:
         """Receive whatever the hub sent within ``timeout_ms`` (acks, leases, revocations)."""
@@ -151,16 +199,20 @@ class HubLink:
             return inbox
         while True:
             try:
-                payload = self.sock.recv(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return inbox
+            if len(frames) != 1:
+                self.rejects.reject("malformed", f"expected 1 frame, got {len(frames)}", "hub")
+                continue
             try:
-                msg = self.decoder.decode(payload)
+                msg = self.decoder.decode(frames[0])
             except WireError as err:
-                log.warning("bad message from hub: %s", err)
+                self.rejects.reject(err.reason, err, "hub")
                 continue
             if isinstance(msg, ChunkAck):
                 now = time.monotonic()
+                acked_now = 0
                 for key in zip(
                     unpack_i64(msg.group_ids).tolist(),
                     unpack_i32(msg.samples).tolist(),
@@ -170,8 +222,11 @@ class HubLink:
                     entry = self.unacked.pop(key, None)
                     if entry is not None:
                         inbox.acked += 1
-                        if len(self.ack_latency_s) < 1_000_000:
-                            self.ack_latency_s.append(now - entry[1])
+                        inbox.acked_chunks.append(entry[0])
+                        acked_now += 1
+                        self._note_ack_latency(now - entry[1], entry[2])
+                if acked_now and self._ack_log is not None:
+                    os.write(self._ack_log, b"%d\n" % acked_now)
                 for rej in msg.rejected:
                     if self.unacked.pop((rej.group_id, rej.sample, rej.seq), None) is not None:
                         inbox.rejected += 1
@@ -213,3 +268,6 @@ class HubLink:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        if self._ack_log is not None:
+            os.close(self._ack_log)
+            self._ack_log = None

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flywheel.config import FlywheelConfig
+from flywheel.watchdog import WATCHDOG
 from flywheel.wire import FINISH_REASONS, Chunk, Lease, WeightsReady, pack_f32, pack_i32, unpack_i32
 from generators.hub_link import HubLink
 from generators.sync_link import SyncLink
@@ -285,7 +286,8 @@ class GeneratorService:
         await self.engine.pause_generation(mode="abort" if interrupt else "keep", clear_cache=False)
         try:
             await self._quiesce()
-            error, touched = await self._load(ready, raw)
+            with WATCHDOG.wait(f"weight update v{ready.version}", self.cfg.run.watchdog_s):
+                error, touched = await self._load(ready, raw)
             if error is None:
                 self.version = ready.version
             # Cached KV (prefix cache and running requests) came from the old weights: recompute it.

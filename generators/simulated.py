@@ -223,19 +223,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-min", type=int, default=16)
     p.add_argument("--chunk-max", type=int, default=64)
     p.add_argument("--tokens-per-s", type=float, default=None, help="pace the output (default: as fast as possible)")
-    p.add_argument("--follow-redis", default=None, help="redis URL: follow the learner version (simulated weight sync)")
+    p.add_argument(
+        "--follow-redis",
+        default=None,
+        help="redis URL (redis://user:pass@... with AUTH): follow the learner version (simulated weight sync)",
+    )
     p.add_argument("--run", default="flywheel", help="run name (for --follow-redis)")
     p.add_argument("--seconds", type=float, default=None)
+    p.add_argument("--keys-dir", default=None, help="CURVE keys (`flywheel keys DIR`) of a hub with security.curve")
     p.add_argument("--stats-file", default=None, help="write tokens sent and chunk-to-durable latencies here at exit")
     p.add_argument(
         "--stats-after", type=float, default=0.0, help="only count latencies after this many seconds (warm-up)"
     )
     args = p.parse_args(argv)
+    from flywheel.config import SecurityConfig
     from flywheel.logs import setup_logging
     from flywheel.store import RunKeys
 
     setup_logging(f"simgen-{args.id}")
-    link = HubLink(args.hub, args.id, "simulated", args.capacity)
+    security = SecurityConfig(curve=True, keys_dir=args.keys_dir) if args.keys_dir else None
+    link = HubLink(args.hub, args.id, "simulated", args.capacity, security=security)
     version_key = (args.follow_redis, RunKeys(args.run).version) if args.follow_redis else None
     gen = SimulatedGenerator(
         link,

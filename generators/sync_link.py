@@ -6,30 +6,44 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import Counter
 
 import zmq
 
-from flywheel.wire import Decoder, SyncJoin, WeightsAck, WeightsReady, WireError, encode
+from flywheel.config import SecurityConfig
+from flywheel.netsec import curve_client
+from flywheel.wire import Decoder, Rejections, SyncJoin, WeightsAck, WeightsReady, WireError, encode
 
 log = logging.getLogger(__name__)
 
 
 class SyncLink:
-    def __init__(self, host: str, announce_port: int, join_port: int, generator_id: str, workers: int) -> None:
+    def __init__(
+        self,
+        host: str,
+        announce_port: int,
+        join_port: int,
+        generator_id: str,
+        workers: int,
+        security: SecurityConfig | None = None,
+        max_message_bytes: int = 64 << 20,
+    ) -> None:
         self.generator_id = generator_id
         self.workers = workers
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)  # far over the checked limit: ZMQ drops it
+        curve_client(self.sub, security)
         self.sub.connect(f"tcp://{host}:{announce_port}")
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.setsockopt(zmq.IDENTITY, generator_id.encode())
+        self.dealer.setsockopt(zmq.MAXMSGSIZE, 1 << 16)  # the learner sends nothing on it (see poll)
+        curve_client(self.dealer, security)
         self.dealer.connect(f"tcp://{host}:{join_port}")
-        self.decoder = Decoder(WeightsReady)
-        self.rejected: Counter[str] = Counter()
+        self.decoder = Decoder(WeightsReady, max_bytes=max_message_bytes)
+        self.rejects = Rejections(log)  # what arrived on either socket and failed validation, by reason
         # A SUB socket misses what is published before its subscription reaches the publisher:
         # announce ourselves only after giving it time, so we are never in a group we cannot hear.
         self._join_after = time.monotonic() + 0.5
@@ -45,20 +59,34 @@ class SyncLink:
 
     def poll(self) -> list[tuple[WeightsReady, bytes]]:
         """Every valid WeightsReady received (with its encoded form, passed on to the workers)."""
+        self._drain_dealer()
         out: list[tuple[WeightsReady, bytes]] = []
         while True:
             try:
-                payload = self.sub.recv(zmq.NOBLOCK)
+                frames = self.sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
+            if len(frames) != 1:
+                self.rejects.reject("malformed", f"expected 1 frame, got {len(frames)}", "announce")
+                continue
+            payload = frames[0]
             try:
                 msg = self.decoder.decode(payload)
             except WireError as err:
-                self.rejected[err.reason] += 1
-                log.error("rejected a WeightsReady: %s", err)
+                self.rejects.reject(err.reason, err, "announce")
                 continue
             assert isinstance(msg, WeightsReady)
             out.append((msg, payload))
+
+    def _drain_dealer(self) -> None:
+        """The learner never sends on the join socket: whatever arrives there is refused (and
+        read, so that it cannot fill the socket's queue)."""
+        while True:
+            try:
+                frames = self.dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.rejects.reject("wrong_socket", f"{len(frames)} frames on the join socket", "join")
 
     def ack(self, version: int, epoch: int, error: str | None, seconds: float) -> None:
         msg = WeightsAck(generator_id=self.generator_id, version=version, epoch=epoch, error=error, seconds=seconds)

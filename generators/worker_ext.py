@@ -35,14 +35,26 @@ class WeightReceiverExtension:
             group = self._flywheel_join(ready, first_rank + self._flywheel_tp_rank())
             loaded = 0
 
+            failed: list[Exception] = []
+
             def stream() -> Any:
                 nonlocal touched, loaded
-                for name, tensor in receive(group, ready):
-                    touched = True
-                    loaded += 1
-                    yield name, tensor
+                try:
+                    for name, tensor in receive(group, ready):
+                        touched = True
+                        loaded += 1
+                        yield name, tensor
+                except (WeightSyncError, RuntimeError) as err:
+                    # End the stream instead of raising through vLLM: its in-place reload must
+                    # reach its finalize step, or the layers it moved to the meta device stay
+                    # there and the engine dies at its next forward pass. Layers that got
+                    # nothing keep their old tensors; this worker serves nothing until a sync
+                    # succeeds (``touched``).
+                    failed.append(err)
 
             self.model_runner.reload_weights(weights_iterator=stream())  # type: ignore[attr-defined]
+            if failed:
+                raise failed[0]
             expected = sum(len(b.names) for b in ready.buckets)
             if loaded != expected:
                 raise WeightSyncError(f"loaded {loaded} of {expected} tensors")

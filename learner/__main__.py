@@ -70,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(
             f"--algo.advantage.estimator {est} compares the samples of a prompt: set --data.n_samples_per_prompt >= 2"
         )
+    from flywheel.netsec import check_keys, redis_password
+
+    try:
+        check_keys(cfg.security, server=True)
+        redis_password(cfg.redis)
+    except ValueError as err:
+        problems.append(str(err))
     if problems:
         print("flywheel-learner: " + "; ".join(problems), file=sys.stderr)
         return 2

@@ -22,7 +22,11 @@ from flywheel.tasks import answer_range, arithmetic_rows
 log = logging.getLogger("sft")
 
 
-def warm_start(cfg: FlywheelConfig, output_dir: str | Path) -> dict[str, float]:
+def warm_start(
+    cfg: FlywheelConfig, output_dir: str | Path, rows: list[dict[str, str]] | None = None
+) -> dict[str, float]:
+    """``rows`` ({"prompt", "answer"}) replace the arithmetic task's prompts (another synthetic task;
+    a format-only warm start then draws its random answers from theirs)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -34,8 +38,11 @@ def warm_start(cfg: FlywheelConfig, output_dir: str | Path) -> dict[str, float]:
     model = AutoModelForCausalLM.from_pretrained(cfg.train.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device).train()
-    rows = arithmetic_rows(cfg.task.prompts, cfg.task.seed, cfg.task.max_operand)
-    answers = answer_range(cfg.task.max_operand)
+    if rows is None:
+        rows = arithmetic_rows(cfg.task.prompts, cfg.task.seed, cfg.task.max_operand)
+        answers = answer_range(cfg.task.max_operand)
+    else:
+        answers = sorted({r["answer"] for r in rows})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr)
     start, losses = time.monotonic(), []
     for step in range(cfg.sft.steps):

@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import redis
 import torch
 
 from flywheel.config import FlywheelConfig
 from flywheel.hub_client import Batch, BatchClient, BatchTimeout, ClaimsAhead
+from flywheel.netsec import redis_client
 from flywheel.staleness import StalenessPolicy
+from flywheel.watchdog import WATCHDOG
 from learner import algos
 from learner.batching import (
     MicroBatch,
@@ -116,16 +117,22 @@ class Trainer:
         )
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.version = 0
-        self.redis = redis.Redis.from_url(cfg.redis.url or "", socket_timeout=cfg.redis.socket_timeout_s)
+        self.redis = redis_client(cfg.redis)
         policy = StalenessPolicy(cfg.async_.max_staleness, cfg.async_.groups_per_step)
-        self.client = BatchClient(self.redis, cfg.run.name, policy)
+        claims_log = None
+        if cfg.train.run_dir:
+            Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
+            claims_log = str(Path(cfg.train.run_dir) / f"claims.rank{rank}.log")
+        self.client = BatchClient(
+            self.redis, cfg.run.name, policy, claims_log=claims_log, redis_outage_s=cfg.redis.connect_timeout_s
+        )
         n_groups = max(1, cfg.async_.groups_per_step // self.world)
         self.claims = ClaimsAhead(self.client, n_groups, cfg.train.batch_timeout_s)
         self.broadcaster = None
         if rank == 0:
             from learner.weight_sync import WeightBroadcaster
 
-            self.broadcaster = WeightBroadcaster(cfg.sync, device=self.device)
+            self.broadcaster = WeightBroadcaster(cfg.sync, device=self.device, security=cfg.security)
         self.loss_cfg = algos.PolicyLossConfig(
             correction=cfg.algo.off_policy.correction,
             clip_low=cfg.algo.loss.clip_low,
@@ -221,13 +228,15 @@ class Trainer:
                     "perf/step_s": step_s,
                     "perf/idle_frac": waited / step_s,
                     "perf/tokens_per_s": stats.metrics["perf/tokens"] / max(step_s - waited, 1e-9),
+                    "watchdog/overdue": float(sum(WATCHDOG.overdue.values())),
                 }
             )
             reporter(stats)
 
     def claim(self) -> Batch:
         try:
-            return self.claims.claim(self.version)
+            with WATCHDOG.wait(f"claim of the batch for v{self.version}", self.cfg.run.watchdog_s):
+                return self.claims.claim(self.version)
         except BatchTimeout as err:
             raise RuntimeError(f"learner v{self.version}: {err}") from err
 
@@ -501,7 +510,8 @@ class Trainer:
         with self.full_weights() as weights:
             if self.broadcaster is None:
                 return
-            report = self.broadcaster.sync(self.version, weights.items())
+            with WATCHDOG.wait(f"weight sync v{self.version}", self.cfg.run.watchdog_s):
+                report = self.broadcaster.sync(self.version, weights.items())
         if report.members:
             log.info(
                 "weights v%d -> %d generators in %.3fs (%.1f MB, %d buckets)%s",
@@ -532,25 +542,39 @@ class Trainer:
         if not directory:
             return
         state = {"version": self.version, "hub_counters": self.client.counters() if self.rank == 0 else {}}
-        self.engine.save_checkpoint(directory, tag=f"v{self.version}", client_state=state)
-        if self.critic is not None:
-            self.critic.save_checkpoint(str(Path(directory) / "critic"), tag=f"v{self.version}")
+        with WATCHDOG.wait(f"checkpoint v{self.version}", self.cfg.run.watchdog_s):
+            self.engine.save_checkpoint(directory, tag=f"v{self.version}", client_state=state)
+            if self.critic is not None:
+                self.critic.save_checkpoint(str(Path(directory) / "critic"), tag=f"v{self.version}")
         log.info("checkpoint v%d saved in %s", self.version, directory)
 
     def load_checkpoint(self) -> bool:
+        """Resume from the latest checkpoint, if any, and continue the version sequence."""
         directory = self.cfg.train.checkpoint_dir
-        if not directory or not (Path(directory) / "latest").exists():
-            return False
-        _, state = self.engine.load_checkpoint(directory)
-        if state is None:
-            raise RuntimeError(f"could not load the checkpoint in {directory}")
-        self.version = int(state["version"])
-        if self.critic is not None:
-            self.critic.load_checkpoint(str(Path(directory) / "critic"), tag=f"v{self.version}")
+        loaded = bool(directory) and (Path(str(directory)) / "latest").exists()
+        if loaded:
+            _, state = self.engine.load_checkpoint(directory)
+            if state is None:
+                raise RuntimeError(f"could not load the checkpoint in {directory}")
+            self.version = int(state["version"])
+            if self.critic is not None:
+                self.critic.load_checkpoint(str(Path(str(directory)) / "critic"), tag=f"v{self.version}")
+            log.info("resumed from %s at version %d", directory, self.version)
+        published = self.client.get_version()
+        if published > self.version:
+            # A learner that died published versions past its last checkpoint, and generators may
+            # serve those weights. A version names one set of weights, never two: these get the
+            # next number, and what was generated since counts as stale under the usual bound.
+            log.warning(
+                "the hub is at version %d, past this checkpoint's %d: continuing as version %d",
+                published,
+                self.version,
+                published + 1,
+            )
+            self.version = published + 1
         if self.rank == 0:
             self.client.set_version(self.version)
-        log.info("resumed from %s at version %d", directory, self.version)
-        return True
+        return loaded
 
     # ------------------------------------------------------------------ reporting
 

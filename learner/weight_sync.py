@@ -18,11 +18,14 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from flywheel.config import SyncConfig
+from flywheel.config import SecurityConfig, SyncConfig
+from flywheel.netsec import curve_server
 from flywheel.weights import WeightGroup, WeightSyncError, host_store, join_group, plan_buckets, send
-from flywheel.wire import Decoder, SyncJoin, ToLearner, WeightsAck, WeightsReady, WireError, encode
+from flywheel.wire import Decoder, Rejections, SyncJoin, ToLearner, WeightsAck, WeightsReady, WireError, encode
 
 log = logging.getLogger(__name__)
+
+MAX_JOIN_BYTES = 1 << 20  # a SyncJoin or WeightsAck is a few hundred bytes (an error message at most)
 
 
 @dataclass
@@ -49,7 +52,13 @@ class SyncReport:
 
 
 class WeightBroadcaster:
-    def __init__(self, cfg: SyncConfig, device: torch.device | str = "cpu", bind_host: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: SyncConfig,
+        device: torch.device | str = "cpu",
+        bind_host: str | None = None,
+        security: SecurityConfig | None = None,
+    ) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
         self.transport = (
@@ -59,16 +68,21 @@ class WeightBroadcaster:
         bind = bind_host or cfg.host
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        curve_server(self.pub, security)  # security.curve: only authorised generators hear or join
         self.pub.bind(f"tcp://{bind}:{cfg.announce_port}")
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, 4 * MAX_JOIN_BYTES)  # far over the checked limit: ZMQ drops it
+        curve_server(self.router, security)
         self.router.bind(f"tcp://{bind}:{cfg.join_port}")
-        self.decoder = Decoder(ToLearner)
+        self.decoder = Decoder(ToLearner, max_bytes=MAX_JOIN_BYTES)
         self.members: dict[str, Member] = {}
         self.group: WeightGroup | None = None
         self.group_ranks: dict[str, int] = {}
-        self.epoch = 0
-        self.rejected = 0
+        # Group names start from the clock: a restarted learner must never announce an epoch a
+        # generator still holds a (dead) group for, or that generator would reuse it and hang.
+        self.epoch = time.time_ns() // 1_000_000
+        self.rejects = Rejections(log)  # what arrived on the join socket and was refused, by reason
         self._acks: dict[str, WeightsAck] = {}
         self._store_port = 0  # rendezvous port of the current group
 
@@ -80,17 +94,21 @@ class WeightBroadcaster:
             return
         while True:
             try:
-                identity, payload = self.router.recv_multipart(zmq.NOBLOCK)
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            except ValueError:  # not two frames: a peer that does not speak our protocol
-                self.rejected += 1
+            if len(frames) != 2:  # a peer that does not speak our protocol
+                self.rejects.reject("malformed", f"expected 2 frames, got {len(frames)}", frames[0])
                 continue
+            identity, payload = frames
             try:
                 msg = self.decoder.decode(payload)
             except WireError as err:
-                self.rejected += 1
-                log.warning("bad message on the sync socket from %r: %s", identity, err)
+                self.rejects.reject(err.reason, err, identity)
+                continue
+            assert isinstance(msg, SyncJoin | WeightsAck)
+            if identity != msg.generator_id.encode():  # generators connect with their id as identity
+                self.rejects.reject("identity_mismatch", f"{type(msg).__name__} for {msg.generator_id!r}", identity)
                 continue
             now = time.monotonic()
             if isinstance(msg, SyncJoin):

@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         return cfg
     setup_logging("reward", cfg.run.log_level)
 
+    from flywheel.netsec import check_keys
     from reward_service.pool import PoolError, WorkerPool
     from reward_service.registry import resolve
     from reward_service.scoring import FunctionSpec
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = cfg.reward.tokenizer or cfg.data.tokenizer
     try:  # fail here, with the fix, rather than in every worker
         functions = [resolve(s.name) for s in specs]
+        check_keys(cfg.security, server=False)
     except ValueError as err:
         print(f"flywheel-reward: {err}", file=sys.stderr)
         return 2
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = WorkerPool(
         cfg.reward.workers, specs, tokenizer, {"max_tokens": cfg.rollout.max_tokens}, cfg.reward.timeout_s
     )
-    service = RewardService(cfg.reward, f"reward-{socket.gethostname()}-{os.getpid()}", pool)
+    service = RewardService(cfg.reward, f"reward-{socket.gethostname()}-{os.getpid()}", pool, security=cfg.security)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     signal.signal(signal.SIGINT, lambda *_: service.stop())
     try:

@@ -17,8 +17,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 import sys
+import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,8 +136,12 @@ class Batcher:
                 offset += len(p.texts)
 
 
-def build_app(model: RewardModel, cfg: RewardModelConfig) -> Any:
+def build_app(model: RewardModel, cfg: RewardModelConfig, rejected: Counter[str] | None = None) -> Any:
+    """The HTTP app; ``rejected`` (filled by the server's access logger, see ``serve``) is
+    reported by /health."""
     from aiohttp import web
+
+    rejected = Counter() if rejected is None else rejected
 
     batcher = Batcher(model, cfg.max_batch, cfg.batch_wait_ms / 1000)
 
@@ -146,8 +153,10 @@ def build_app(model: RewardModel, cfg: RewardModelConfig) -> Any:
                 raise ValueError("prompts and completions must be lists of the same length")
             if not all(isinstance(x, str) for x in prompts + completions):
                 raise ValueError("prompts and completions must hold strings")
-        except (ValueError, KeyError, TypeError) as err:
+        except (ValueError, KeyError, TypeError, RecursionError) as err:  # RecursionError: JSON nested too deep
             return web.json_response({"error": f"bad request: {err}"}, status=400)
+        except ConnectionError:  # the body ended before its Content-Length
+            return web.json_response({"error": "bad request: incomplete body"}, status=400)
         rewards = await batcher.score(model.texts(prompts, completions))
         return web.json_response({"rewards": rewards})
 
@@ -159,6 +168,7 @@ def build_app(model: RewardModel, cfg: RewardModelConfig) -> Any:
                 "device": str(model.device),
                 "forwards": batcher.forwards,
                 "sequences": batcher.sequences,
+                "rejected": dict(rejected),
             }
         )
 
@@ -174,11 +184,48 @@ def build_app(model: RewardModel, cfg: RewardModelConfig) -> Any:
     return app
 
 
-async def serve(cfg: RewardModelConfig, stop: asyncio.Event) -> None:
+class _OncePerInterval(logging.Filter):
+    """Lets one record per message and exception type through per ``interval_s``: aiohttp logs
+    every unparsable request with a traceback, and a flood of them (each counted in /health)
+    must not become a flood of log lines."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self._last: dict[tuple[object, object], float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.msg, record.exc_info[0] if record.exc_info else None)
+        now = time.monotonic()
+        if now - self._last.get(key, -math.inf) < self.interval_s:
+            return False
+        self._last[key] = now
+        return True
+
+
+def _counting_access_log(rejected: Counter[str]) -> Any:
+    """An access "logger" that logs nothing and counts every refused request by status: it
+    sees the 400s of requests aiohttp could not even parse, which never reach a handler."""
+    from aiohttp.abc import AbstractAccessLogger
+
+    class CountRefused(AbstractAccessLogger):
+        def log(self, request: Any, response: Any, time: float) -> None:
+            if response.status >= 400:
+                rejected[f"http_{response.status}"] += 1
+
+    return CountRefused
+
+
+async def serve(cfg: RewardModelConfig, stop: asyncio.Event, model: RewardModel | None = None) -> None:
+    """Serve until ``stop`` is set; ``model`` replaces the one ``cfg`` names (tests, fuzzing)."""
     from aiohttp import web
 
-    model = RewardModel(cfg)
-    runner = web.AppRunner(build_app(model, cfg), access_log=None)
+    model = RewardModel(cfg) if model is None else model
+    logging.getLogger("aiohttp.server").addFilter(_OncePerInterval())
+    rejected: Counter[str] = Counter()
+    runner = web.AppRunner(
+        build_app(model, cfg, rejected), access_log=log, access_log_class=_counting_access_log(rejected)
+    )
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()

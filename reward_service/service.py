@@ -18,18 +18,27 @@ from collections import Counter, deque
 import numpy as np
 import zmq
 
-from flywheel.config import RewardConfig
-from flywheel.wire import Decoder, RewardRegister, Score, ScoreRequest, WireError, encode, unpack_i32
+from flywheel.config import RewardConfig, SecurityConfig
+from flywheel.netsec import curve_client
+from flywheel.wire import Decoder, Rejections, RewardRegister, Score, ScoreRequest, WireError, encode, unpack_i32
 from reward_service.pool import WorkerPool
 from reward_service.scoring import Item, Outcome
 
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 10.0
+MAX_REQUEST_BYTES = 64 << 20  # a ScoreRequest carries one prompt and one response
 
 
 class RewardService:
-    def __init__(self, rcfg: RewardConfig, service_id: str, pool: WorkerPool, heartbeat_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        rcfg: RewardConfig,
+        service_id: str,
+        pool: WorkerPool,
+        heartbeat_s: float = 1.0,
+        security: SecurityConfig | None = None,
+    ) -> None:
         self.rcfg = rcfg
         self.service_id = service_id
         self.pool = pool
@@ -37,8 +46,11 @@ class RewardService:
         self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, service_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * MAX_REQUEST_BYTES)  # far over the checked limit: ZMQ drops it
+        curve_client(self.sock, security)
         self.sock.connect(rcfg.hub_address)
-        self.decoder = Decoder(ScoreRequest)
+        self.decoder = Decoder(ScoreRequest, max_bytes=MAX_REQUEST_BYTES)
+        self.rejects = Rejections(log)  # what the hub sent that failed validation, by reason
         self.queue: deque[Item] = deque()  # scored in batches
         self.solo: deque[Item] = deque()  # from a batch that hung or crashed: scored alone
         self.scored = 0
@@ -78,13 +90,16 @@ class RewardService:
     def _receive(self) -> None:
         while True:
             try:
-                payload = self.sock.recv(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if len(frames) != 1:
+                self.rejects.reject("malformed", f"expected 1 frame, got {len(frames)}", "hub")
+                continue
             try:
-                req = self.decoder.decode(payload)
+                req = self.decoder.decode(frames[0])
             except WireError as err:
-                log.warning("bad message from hub: %s", err)
+                self.rejects.reject(err.reason, err, "hub")
                 continue
             assert isinstance(req, ScoreRequest)
             self.queue.append(
@@ -147,7 +162,7 @@ class RewardService:
 
     def _log_stats(self) -> None:
         log.info(
-            "scored %d | errors %s | queued %d, in workers %d | workers ready %d/%d, restarts %d",
+            "scored %d | errors %s | queued %d, in workers %d | workers ready %d/%d, restarts %d | rejected %s",
             self.scored,
             dict(self.errors) or "none",
             len(self.queue) + len(self.solo),
@@ -155,6 +170,7 @@ class RewardService:
             self.pool.ready_count(),
             len(self.pool.workers),
             self.pool.restarts,
+            dict(self.rejects.counts) or "none",
         )
 
     def close(self) -> None:

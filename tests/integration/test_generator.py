@@ -206,7 +206,7 @@ def test_bad_syncs_late_weights_and_drain(
     for group in batch.groups:
         for s in group.samples:
             assert (s.versions == 2).all(), s.versions
-    assert "rejected a WeightsReady" in gen.log_path.read_text()
+    assert "rejected malformed from 'announce'" in gen.log_path.read_text()
     # 4. SIGTERM: it stops taking leases, finishes or returns what it holds, and exits cleanly
     gen.proc.send_signal(signal.SIGTERM)
     assert gen.proc.wait(timeout=60) == 0

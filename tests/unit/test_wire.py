@@ -223,3 +223,35 @@ def test_random_garbage_never_escapes_as_another_exception() -> None:
         except WireError:
             outcomes["rejected"] += 1
     assert outcomes["rejected"] > 10000 and outcomes["accepted"] > 0
+
+
+@pytest.mark.parametrize(
+    ("sampling", "samples", "field"),
+    [
+        ({"temperature": math.nan}, [0], "sampling.temperature"),
+        ({"temperature": -1.0}, [0], "sampling.temperature"),
+        ({"top_p": 0.0}, [0], "sampling.top_p"),
+        ({"top_p": math.nan}, [0], "sampling.top_p"),
+        ({"top_k": -2}, [0], "sampling.top_k"),
+        ({"max_tokens": 0}, [0], "sampling.max_tokens"),
+        ({"stop_token_ids": [-1]}, [0], "sampling.stop_token_ids"),
+        ({}, [-1], "samples"),
+        ({}, [1 << 40], "samples"),
+    ],
+)
+def test_a_lease_vllm_would_refuse_is_refused_on_receipt(
+    sampling: dict[str, object], samples: list[int], field: str
+) -> None:
+    """A hostile or broken hub must not crash a generator through vLLM's own checks."""
+    lease = Lease(
+        lease_id=1,
+        group_id=2,
+        prompt_tokens=pack_i32([1, 2]),
+        samples=samples,
+        sampling=msgspec.structs.replace(SamplingParams(), **sampling),
+        min_version=0,
+        deadline=1e9,
+    )
+    with pytest.raises(WireError) as err:
+        Decoder(ToGenerator).decode(encode(lease))
+    assert (err.value.reason, err.value.field) == ("invalid_field", field)
