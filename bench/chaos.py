@@ -26,16 +26,22 @@ from flywheel.chaos import VICTIMS, ChaosReport, ChaosRun  # noqa: E402
 
 
 def chaos(
-    faults: int, steps: int, interval: tuple[float, float], seed: int, work: Path, victims: tuple[str, ...] = VICTIMS
+    faults: int,
+    steps: int,
+    interval: tuple[float, float],
+    seed: int,
+    work: Path,
+    victims: tuple[str, ...] = VICTIMS,
+    generators: int = 2,
 ) -> ChaosReport:
     run_dir = work / "run"
-    overrides = ["--train.total_steps", str(steps), "--run.seed", str(seed)]
+    overrides = ["--train.total_steps", str(steps), "--run.seed", str(seed), "--launch.generators", str(generators)]
     run = ChaosRun(str(ROOT / "configs" / "chaos.yaml"), run_dir, overrides, seed=seed)
     try:
         # start injecting once the loop trains: every service is up and a checkpoint exists
         if not run.wait("training", lambda: run.version() >= 3, timeout_s=600):
             raise RuntimeError(f"the run never started training; see {run.log_path}")
-        run.inject(faults, interval, recover_timeout_s=300, victims=victims, until_version=steps - 8)
+        run.inject(faults, interval, recover_timeout_s=600, victims=victims, until_version=steps - 8)
         return run.finish(timeout_s=1800)
     finally:
         run.stop()  # whatever happened: no launcher (nor its services) outlives the chaos run
@@ -64,15 +70,16 @@ def summary(report: ChaosReport) -> dict[str, object]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--faults", type=int, default=10)
-    p.add_argument("--steps", type=int, default=120, help="learner steps of the run (train.total_steps)")
+    p.add_argument("--steps", type=int, default=600, help="learner steps of the run (train.total_steps)")
     p.add_argument("--interval", type=float, nargs=2, default=(5.0, 20.0), help="seconds between faults (uniform)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--victims", nargs="+", choices=VICTIMS, default=list(VICTIMS), help="services to kill")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos.json")
     p.add_argument("--keep", action="store_true", help="keep the run directory")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="flywheel-chaos-"))
     try:
-        report = chaos(args.faults, args.steps, tuple(args.interval), args.seed, work)
+        report = chaos(args.faults, args.steps, tuple(args.interval), args.seed, work, tuple(args.victims))
         print(report.table())
         result = {"summary": summary(report), "report": report.as_dict(), "args": vars(args) | {"out": str(args.out)}}
         print(json.dumps(result["summary"], indent=1))

@@ -6,21 +6,23 @@ hold are kept as a history of weight snapshots (the last η + 1); each learner s
 batch sampled by the policy η versions ago (``--staleness max``: every group as stale as the bound
 allows, the worst case; ``uniform``: each group's version drawn from the η + 1 allowed, a mix like
 the hub serves), with the behaviour log-probabilities recorded at sampling time as the generator
-does. The update is the learner's own: ``learner.trainer.Trainer.train_step`` on a hub ``Batch``
-(micro-batches, the proximal recompute of ``decoupled`` with the learner's weights before the
-update, ``learner.algos`` advantages and policy loss, the behaviour weight truncated at
-``algo.off_policy.is_cap``), with DeepSpeed replaced by a plain AdamW with the same gradient
-clipping and schedule. Sampling is a plain HF ``generate`` (temperature 1, no top-k/top-p), seeded
-the same for every run, so runs differ only in the correction and η.
+does. The update is the learner's, from its own parts (``LocalLearner``): ``learner.batching``
+micro-batch and log-probabilities, ``learner.algos`` advantages and policy loss with the config's
+correction (``decoupled``: clipped around the proximal policy, the learner's weights before the
+update, recomputed without gradient, times the behaviour weight prox / behaviour truncated at
+``algo.off_policy.is_cap``), one AdamW step per batch with the learner's gradient clipping;
+DeepSpeed, the hub and the weight broadcast are left out. Sampling is a plain HF ``generate``
+(temperature 1, no top-k/top-p), seeded the same for every run, so runs differ only in the
+correction and η (and in rounding: see the README on how far that goes).
 
 Tasks: ``add`` is the quickstart recipe (``configs/quickstart.yaml``: single-digit sums, 40
 supervised warm-start steps on reference answers, GRPO with 32 prompts x 8 samples); ``add3`` is
-the same with three addends ("What is 3 + 5 + 7? Answer:", 1,000 distinct prompts, sums to 27),
-with a shorter warm start so the policy starts low. Both are scored by the arithmetic verifier of
-the reward service (the first integer of the completion is the sum).
+the same recipe with three addends ("What is 3 + 5 + 7? Answer:", sums to 27): 1,000 distinct
+prompts, 200 of them held out for the greedy evaluation and never trained on. Both are scored by
+the arithmetic verifier of the reward service (the first integer of the completion is the sum).
 
     python bench/offpolicy.py                 # the full sweep (see the README for its wall time)
-    python bench/offpolicy.py --quick         # under a minute: a few steps of each configuration
+    python bench/offpolicy.py --quick         # the code path: 2 steps per correction on add at η = 0 and 8
     python bench/offpolicy.py --tasks add --corrections none --etas 8 --steps 50   # one run
 """
 
@@ -33,6 +35,7 @@ import multiprocessing as mp
 import os
 import platform
 import random
+import resource
 import sys
 import time
 from collections import deque
@@ -52,8 +55,15 @@ from flywheel.config import FlywheelConfig, load_config  # noqa: E402
 from flywheel.hub_client import Batch, RolloutGroup, RolloutSample  # noqa: E402
 from flywheel.tasks import arithmetic_correct, arithmetic_eval_rows, arithmetic_rows  # noqa: E402
 from learner import algos  # noqa: E402
-from learner.batching import build_micro_batch, pad_rows, sequences, to_rows, token_logprobs  # noqa: E402
-from learner.trainer import Trainer, lr_lambda  # noqa: E402
+from learner.batching import (  # noqa: E402
+    MicroBatch,
+    build_micro_batch,
+    entropy_at,
+    pad_rows,
+    sequences,
+    to_rows,
+    token_logprobs,
+)
 from reward_service.builtins import arithmetic as arithmetic_reward  # noqa: E402
 
 CORRECTIONS = ("decoupled", "tis", "none")
@@ -68,19 +78,26 @@ def add3_prompt(a: int, b: int, c: int) -> str:
     return f"What is {a} + {b} + {c}? Answer:"
 
 
-def add3_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b, c = (rng.randint(0, 9) for _ in range(3))
-        rows.append({"prompt": add3_prompt(a, b, c), "answer": str(a + b + c)})
-    return rows
+def add3_triples(seed: int) -> list[tuple[int, ...]]:
+    triples = list(itertools.product(range(10), repeat=3))
+    random.Random(seed + 1).shuffle(triples)
+    return triples
 
 
 def add3_eval_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
-    triples = list(itertools.product(range(10), repeat=3))
-    random.Random(seed + 1).shuffle(triples)
-    return [{"prompt": add3_prompt(*t), "answer": str(sum(t))} for t in triples[:n]]
+    """The first ``n`` of the 1,000 triples in a seeded order: held out, never trained on."""
+    return [{"prompt": add3_prompt(*t), "answer": str(sum(t))} for t in add3_triples(seed)[:n]]
+
+
+def add3_rows(n: int, seed: int = 0, held_out: int = 0) -> list[dict[str, str]]:
+    """``n`` training prompts drawn from the triples ``add3_eval_rows(held_out)`` does not hold."""
+    rng = random.Random(seed)
+    pool = add3_triples(seed)[held_out:]
+    rows = []
+    for _ in range(n):
+        t = rng.choice(pool)
+        rows.append({"prompt": add3_prompt(*t), "answer": str(sum(t))})
+    return rows
 
 
 @dataclass(frozen=True)
@@ -102,10 +119,10 @@ TASKS = {
     ),
     "add3": Task(
         "add3",
-        "a + b + c (harder)",
-        lambda c: add3_rows(c.task.prompts, c.task.seed),
+        "a + b + c (harder; 200 held-out triples)",
+        lambda c: add3_rows(c.task.prompts, c.task.seed, held_out=c.task.eval_prompts),
         lambda c: add3_eval_rows(c.task.eval_prompts, c.task.seed),
-        ("--sft.steps", "40", "--task.eval_prompts", "200"),
+        ("--task.eval_prompts", "200"),
     ),
 }
 
@@ -120,79 +137,86 @@ def recipe(task: Task, args: argparse.Namespace, correction: str = "decoupled", 
 # --------------------------------------------------------------------------- the learner, in process
 
 
-class LocalEngine:
-    """What ``Trainer`` asks of its DeepSpeed engine, for one CPU process: the learner's AdamW, its
-    gradient clipping (``train.grad_clip``) and learning-rate schedule, stepping at the boundary."""
+class LocalLearner:
+    """The learner's update (``learner/trainer.py`` ``train_step``) on one CPU process, from the
+    learner's own parts: ``learner.batching`` turns the batch into a padded micro-batch and token
+    log-probabilities; ``learner.algos`` gives the advantages and the policy loss, with the
+    correction, clip range and behaviour-weight cap of the config (as the trainer builds its
+    ``PolicyLossConfig``); the proximal log-probabilities of ``decoupled`` are recomputed without
+    gradient with the weights before the update, as the trainer does; one AdamW step per batch with
+    ``train.grad_clip``. The recipes' token budget (4,096) holds a whole batch, so the trainer too
+    takes it as one micro-batch. DeepSpeed, the hub and the weight broadcast are left out."""
 
-    def __init__(self, model: torch.nn.Module, cfg: FlywheelConfig) -> None:
-        self.module = model
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.999), weight_decay=cfg.train.weight_decay
+    def __init__(self, cfg: FlywheelConfig, model: Any) -> None:
+        t = cfg.train
+        if t.lr_schedule != "constant" or t.warmup_steps or cfg.algo.kl.coef > 0 or cfg.algo.critic.enabled:
+            raise ValueError("the in-process learner takes a constant learning rate, no KL penalty and no critic")
+        self.cfg, self.model = cfg, model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.999), weight_decay=t.weight_decay)
+        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
+        self.version = 0
+        self.loss_cfg = algos.PolicyLossConfig(
+            correction=cfg.algo.off_policy.correction,
+            clip_low=cfg.algo.loss.clip_low,
+            clip_high=cfg.algo.loss.clip_high,
+            dual_clip=cfg.algo.loss.dual_clip,
+            is_cap=cfg.algo.off_policy.is_cap,
+            ratio_level=cfg.algo.loss.ratio_level,
+            aggregation=cfg.algo.loss.aggregation,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        self.grad_clip = cfg.train.grad_clip
-        self.boundary = True
-        self.grad_norm = 0.0
 
-    def __call__(self, **kwargs: Any) -> Any:
-        return self.module(**kwargs)
+    def token_logprobs(self, mb: MicroBatch, grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[sequences, response tokens] log-probabilities, mask and entropy under the current weights."""
+        with torch.enable_grad() if grad else torch.no_grad():
+            logits = self.model(
+                input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, use_cache=False
+            ).logits
+            lp, mask = to_rows(token_logprobs(logits, mb.targets, self.temperature), mb)
+            entropy, _ = to_rows(entropy_at(logits.detach(), mb, grad=False), mb)
+        return lp, mask, entropy
 
-    def train(self) -> None:
-        self.module.train()
-
-    def set_gradient_accumulation_boundary(self, boundary: bool) -> None:
-        self.boundary = boundary
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def step(self) -> None:
-        if not self.boundary:
-            return
-        self.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip))
-        self.optimizer.step()
-        self.scheduler.step()
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        seqs, rewards_GN = sequences(batch)
+        mb = build_micro_batch(seqs, list(range(len(seqs))), packed=False, pad_id=self.pad_id)
+        self.model.train()
+        # the weights before the update: decoupled's proximal policy; for every correction, how far
+        # the behaviour policy is from the learner (the importance weight current / behaviour)
+        before, mask, _ = self.token_logprobs(mb, grad=False)
+        behav = pad_rows([s.behav_logprobs for s in seqs], mask.shape[1])
+        a = self.cfg.algo.advantage
+        adv, _ = algos.advantages(a.estimator, rewards_GN, mask, gamma=a.gamma, lam=a.lam)
+        prox = before if self.loss_cfg.correction == "decoupled" else None
+        lp, _, entropy = self.token_logprobs(mb, grad=True)
+        loss, m = algos.policy_loss(lp, prox, behav, adv, mask, self.loss_cfg)
         self.optimizer.zero_grad(set_to_none=True)
-
-    def get_lr(self) -> list[float]:
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float:
-        return self.grad_norm
-
-
-def local_learner(cfg: FlywheelConfig, model: torch.nn.Module) -> Trainer:
-    """A ``Trainer`` whose ``train_step`` runs as in the learner service, on ``LocalEngine``, with no
-    hub, no weight broadcast and no reference model or critic (the quickstart recipe has neither)."""
-    if cfg.algo.kl.coef > 0 or cfg.algo.critic.enabled:
-        raise ValueError("the in-process learner has no reference model or critic: use algo.kl.coef 0, no critic")
-    learner = Trainer.__new__(Trainer)  # __init__ would start DeepSpeed, Redis and the weight broadcaster
-    learner.cfg = cfg
-    learner.rank, learner.world = 0, 1
-    learner.on_gpu, learner.device = False, torch.device("cpu")
-    learner.engine = LocalEngine(model, cfg)  # type: ignore[assignment]
-    learner.ref = learner.critic = None
-    learner.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
-    learner.packing = cfg.train.packing is True  # sdpa: padded micro-batches, as the learner picks
-    learner.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-    learner.version = 0
-    learner.loss_cfg = algos.PolicyLossConfig(
-        correction=cfg.algo.off_policy.correction,
-        clip_low=cfg.algo.loss.clip_low,
-        clip_high=cfg.algo.loss.clip_high,
-        dual_clip=cfg.algo.loss.dual_clip,
-        is_cap=cfg.algo.off_policy.is_cap,
-        ratio_level=cfg.algo.loss.ratio_level,
-        aggregation=cfg.algo.loss.aggregation,
-    )
-    return learner
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip))
+        self.optimizer.step()
+        self.version += 1
+        w, cap = torch.exp(before - behav), self.loss_cfg.is_cap
+        return {
+            "reward/mean": float(rewards_GN.mean()),
+            "loss/policy": float(loss.detach()),
+            "grad_norm": grad_norm,
+            "policy/entropy": float(algos.masked_mean(entropy, mask)),
+            "policy/clip_frac": m["clip_frac"],
+            "policy/ratio_mean": m["ratio_mean"],
+            "offpolicy/behav_weight_mean": m["behav_weight_mean"],
+            "offpolicy/behav_weight_max": m["behav_weight_max"],
+            "batch/staleness_mean": float(np.mean([s.staleness for s in seqs])),
+            "w_trunc_mean": float(algos.masked_mean(w.clamp(max=cap), mask)),
+            "w_max": float((w * mask).max()),
+            "w_above_cap": float(algos.masked_mean((w > cap).float(), mask)),
+            "abs_log_w": float(algos.masked_mean((before - behav).abs(), mask)),
+        }
 
 
 # --------------------------------------------------------------------------- generation and scoring
 
 
 def sample_groups(
-    model: torch.nn.Module,
+    model: Any,
     tok: Any,
     rows: list[dict[str, str]],
     cfg: FlywheelConfig,
@@ -271,7 +295,7 @@ def sample_groups(
     return groups
 
 
-def greedy_accuracy(model: torch.nn.Module, tok: Any, rows: list[dict[str, str]], cfg: FlywheelConfig) -> float:
+def greedy_accuracy(model: Any, tok: Any, rows: list[dict[str, str]], cfg: FlywheelConfig) -> float:
     """As ``learner.evaluate``: greedy decoding, left padding, the same verifier."""
     tok.padding_side = "left"
     model.eval()
@@ -286,25 +310,6 @@ def greedy_accuracy(model: torch.nn.Module, tok: Any, rows: list[dict[str, str]]
         texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         hits += sum(arithmetic_correct(t, r["answer"])[0] for t, r in zip(texts, chunk, strict=True))
     return hits / len(rows)
-
-
-def behaviour_weights(learner: Trainer, batch: Batch) -> dict[str, float]:
-    """How off-policy the batch is for the learner, whatever the correction: the importance weight
-    current / behaviour of every response token before the update (mean of it truncated at the
-    cap, its largest value, the share above the cap)."""
-    seqs, _ = sequences(batch)
-    mb = build_micro_batch(seqs, list(range(len(seqs))), learner.packing, learner.pad_id)
-    with torch.no_grad():
-        lp, mask = to_rows(token_logprobs(learner._forward(learner.engine, mb), mb.targets, learner.temperature), mb)
-    behav = pad_rows([s.behav_logprobs for s in seqs], mask.shape[1])
-    w = torch.exp(lp - behav)
-    cap = learner.loss_cfg.is_cap
-    return {
-        "w_trunc_mean": float(algos.masked_mean(w.clamp(max=cap), mask)),
-        "w_max": float((w * mask).max()),
-        "w_above_cap": float(algos.masked_mean((w > cap).float(), mask)),
-        "abs_log_w": float(algos.masked_mean((lp - behav).abs(), mask)),
-    }
 
 
 # --------------------------------------------------------------------------- one run
@@ -331,10 +336,11 @@ def warm_start(task: Task, args: argparse.Namespace, work: Path) -> Path:
 
 @dataclass
 class Run:
-    curve: list[dict[str, float]]  # per learner step: the trainer's metrics plus behaviour_weights'
+    curve: list[dict[str, float]]  # per learner step: LocalLearner.train_step's metrics
     accuracy_start: float
     accuracy_end: float
     wall_s: float
+    cpu_s: float  # this process's CPU time
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -380,9 +386,9 @@ def train(task: Task, cfg: FlywheelConfig, warm: Path, staleness: str = "max", l
     policy = AutoModelForCausalLM.from_pretrained(warm)
     behaviour = AutoModelForCausalLM.from_pretrained(warm)
     policy.config.use_cache = False
-    learner = local_learner(cfg, policy)
+    learner = LocalLearner(cfg, policy)
     eval_rows, prompts = task.eval_rows(cfg), task.train_rows(cfg)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     acc_start = greedy_accuracy(policy, tok, eval_rows, cfg)
     history: deque[tuple[int, dict[str, torch.Tensor]]] = deque([(0, snapshot(policy))], cfg.async_.max_staleness + 1)
     pick = (lambda n: 0) if staleness == "max" else rng.randrange  # history[0] is the oldest allowed version
@@ -394,12 +400,8 @@ def train(task: Task, cfg: FlywheelConfig, warm: Path, staleness: str = "max", l
             order = order or rng.sample(range(len(prompts)), len(prompts))  # an epoch, shuffled
             rows.append(prompts[order.pop()])
         batch = stale_batch(history, behaviour, tok, rows, cfg, learner.version, pick)
-        diag = behaviour_weights(learner, batch)
-        stats = learner.train_step(batch)
-        assert stats is not None, "the in-process learner runs without dynamic filtering"
-        learner.version += 1
+        curve.append(learner.train_step(batch))
         history.append((learner.version, snapshot(policy)))
-        curve.append({**{k: float(v) for k, v in stats.metrics.items()}, **diag})
         if (step + 1) % 20 == 0:
             recent = {k: np.mean([m[k] for m in curve[-20:]]) for k in ("reward/mean", "abs_log_w", "w_above_cap")}
             print(
@@ -408,7 +410,7 @@ def train(task: Task, cfg: FlywheelConfig, warm: Path, staleness: str = "max", l
                 flush=True,
             )
     acc_end = greedy_accuracy(policy, tok, eval_rows, cfg)
-    return Run(curve, acc_start, acc_end, time.perf_counter() - start)
+    return Run(curve, acc_start, acc_end, time.perf_counter() - start, time.process_time() - cpu)
 
 
 def run_one(task: Task, correction: str, eta: int, args: argparse.Namespace, warm: Path) -> dict[str, Any]:
@@ -432,6 +434,7 @@ def summarise(task: Task, correction: str, eta: int, run: Run) -> dict[str, Any]
         "steps": len(curve),
         "reward_first": mean("reward/mean", curve[:tenth]),
         "reward_last": mean("reward/mean", curve[-tenth:]),
+        "reward_peak": max(smooth([m["reward/mean"] for m in curve], tenth), default=0.0),
         "accuracy_start": run.accuracy_start,
         "accuracy_end": run.accuracy_end,
         "w_trunc_mean": mean("w_trunc_mean", stale),
@@ -444,7 +447,10 @@ def summarise(task: Task, correction: str, eta: int, run: Run) -> dict[str, Any]
         "entropy_last": mean("policy/entropy", curve[-tenth:]),
         "staleness_mean": mean("batch/staleness_mean"),
         "wall_s": run.wall_s,
+        "cpu_s": run.cpu_s,
         "reward_curve": [m["reward/mean"] for m in curve],
+        "abs_log_w_curve": [m["abs_log_w"] for m in curve],
+        "clip_frac_curve": [m["policy/clip_frac"] for m in curve],
     }
 
 
@@ -485,8 +491,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title="off-policy correction under staleness")
-    heads = ["task", "correction", "η", "reward first → last tenth", "greedy acc before → after"]
-    heads += ["w mean (trunc.)", "w max", "w > cap", "clip frac", "wall s"]
+    heads = ["task", "correction", "η", "reward first → last tenth (peak)", "greedy acc before → after"]
+    heads += ["|log w|", "w mean (trunc.)", "w max", "w > cap", "clip frac", "wall s"]
     for h in heads:
         table.add_column(h, justify="left" if h in ("task", "correction") else "right")
     for r in rows:
@@ -494,29 +500,35 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             r["task"],
             r["correction"],
             str(r["eta"]),
-            f"{r['reward_first']:.2f} → {r['reward_last']:.2f}",
+            f"{r['reward_first']:.2f} → {r['reward_last']:.2f} ({r['reward_peak']:.2f})",
             f"{r['accuracy_start']:.0%} → {r['accuracy_end']:.0%}",
+            f"{r['abs_log_w']:.3f}",
             f"{r['w_trunc_mean']:.3f}",
             f"{r['w_max']:.2f}",
             f"{r['w_above_cap']:.2%}",
             f"{r['clip_frac']:.3f}",
             f"{r['wall_s']:.0f}",
         )
-    Console().print(table)
+    Console(width=180).print(table)
 
 
 def headline(rows: list[dict[str, Any]], max_eta: int) -> dict[str, float]:
-    """Per task and correction at the largest η: the last-tenth reward minus the η = 0 run's."""
+    """Per task: the spread of the last-tenth reward over the η = 0 runs (the corrections coincide
+    there, so it is run-to-run noise) and, per correction, its η = ``max_eta`` run's last-tenth
+    reward and greedy accuracy minus the mean of the η = 0 runs'."""
     out: dict[str, float] = {}
-    for r in rows:
-        if r["eta"] != max_eta:
+    for task in dict.fromkeys(r["task"] for r in rows):
+        base = [r for r in rows if r["task"] == task and r["eta"] == 0]
+        if not base:
             continue
-        base = next(
-            (b for b in rows if b["task"] == r["task"] and b["eta"] == 0 and b["correction"] == r["correction"]), None
-        )
-        if base is not None:
-            out[f"{r['task']}_{r['correction']}_reward_gap_eta{max_eta}"] = r["reward_last"] - base["reward_last"]
-            out[f"{r['task']}_{r['correction']}_acc_gap_eta{max_eta}"] = r["accuracy_end"] - base["accuracy_end"]
+        rewards = [r["reward_last"] for r in base]
+        out[f"{task}_eta0_reward_last_spread"] = max(rewards) - min(rewards)
+        for r in rows:
+            if r["task"] == task and r["eta"] == max_eta:
+                out[f"{task}_{r['correction']}_reward_gap_eta{max_eta}"] = r["reward_last"] - float(np.mean(rewards))
+                out[f"{task}_{r['correction']}_accuracy_gap_eta{max_eta}"] = r["accuracy_end"] - float(
+                    np.mean([b["accuracy_end"] for b in base])
+                )
     return out
 
 
@@ -541,17 +553,21 @@ def cached_run(
     return r
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a few steps per configuration, under a minute in all")
+    p.add_argument("--quick", action="store_true", help="2 steps per correction on add at η = 0 and 8 (the code path)")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     p.add_argument("--corrections", nargs="+", default=list(CORRECTIONS), choices=list(CORRECTIONS))
     p.add_argument("--etas", nargs="+", type=int, default=[0, 4, 8])
-    p.add_argument("--steps", type=int, default=200, help="learner steps per run")
-    p.add_argument("--lr", type=float, default=1e-4, help="learner learning rate (the quickstart's is 1e-4)")
+    p.add_argument("--steps", type=int, default=100, help="learner steps per run")
+    p.add_argument(
+        "--lr", type=float, default=2e-4, help="learner learning rate (twice the quickstart's 1e-4: a stress)"
+    )
     p.add_argument("--staleness", choices=["max", "uniform"], default="max", help="see the module docstring")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work", default=str(ROOT / "runs" / "offpolicy"), help="warm-started models are kept here")
+    p.add_argument(
+        "--work", default=str(ROOT / "runs" / "offpolicy"), help="warm-started models and finished runs are kept here"
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -561,34 +577,54 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=2, help="runs at once (processes of --threads threads each)")
     p.add_argument("--fresh", action="store_true", help="run again what --work already holds a result of")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "offpolicy.json"))
-    args, args.overrides = p.parse_known_args()  # the rest: config flags (--async.groups_per_step 16)
+    p.add_argument("--plot-only", action="store_true", help="redraw the figure and the table from --out, run nothing")
+    args, overrides = p.parse_known_args()
+    args.overrides = overrides  # the rest: config flags (--async.groups_per_step 16)
     if args.quick:
-        args.steps = 3
+        args.steps, args.tasks, args.etas = 2, ["add"], [0, 8]
+    return args
+
+
+def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (task, η, correction) of ``args``, ``args.jobs`` at a time, in processes of their own."""
     torch.set_num_threads(args.threads)
     work = Path(args.work)
-    tasks = [TASKS[t] for t in args.tasks]
-    start = time.perf_counter()
-    warm = {task.name: warm_start(task, args, work) for task in tasks}
-    plan = [(t.name, c, eta) for t in tasks for eta in args.etas for c in args.corrections]
+    warm = {name: warm_start(TASKS[name], args, work) for name in args.tasks}
+    plan = [(name, c, eta) for name in args.tasks for eta in args.etas for c in args.corrections]
     with ProcessPoolExecutor(
         args.jobs, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads, initargs=(args.threads,)
     ) as pool:
         futures = [pool.submit(cached_run, name, c, eta, args, warm[name], work) for name, c, eta in plan]
-        rows = [f.result() for f in futures]
-    print_table(rows)
+        return [f.result() for f in futures]
+
+
+def main() -> None:
+    args = parse_args()
     out = Path(args.out)
+    if args.plot_only:
+        result = json.loads(out.read_text())
+        rows = result["rows"]
+        print_table(rows)
+        names = list(dict.fromkeys(r["task"] for r in rows))
+        plot(rows, [TASKS[n] for n in names], out.with_suffix(".png"), max(1, result["config"]["steps"] // 10))
+        return
+    start = time.perf_counter()
+    rows = sweep(args)
+    print_table(rows)
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     result = {
         "benchmark": "offpolicy",
         "headline": headline(rows, max(args.etas)),
-        "config": {k: v for k, v in vars(args).items() if k not in ("work", "out")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("work", "out", "plot_only")},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": args.threads},
-        "wall_s": time.perf_counter() - start,
+        "wall_s": time.perf_counter() - start,  # of this invocation (runs found in --work are not run again)
+        "cpu_s": own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime,
         "rows": rows,
     }
     if not args.quick:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
-        plot(rows, tasks, out.with_suffix(".png"), max(1, args.steps // 20))
+        plot(rows, [TASKS[n] for n in args.tasks], out.with_suffix(".png"), max(1, args.steps // 10))
     print(f"sweep: {result['wall_s']:.0f}s" + ("" if args.quick else f"; {out} and {out.with_suffix('.png')}"))
 
 

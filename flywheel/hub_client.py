@@ -206,10 +206,12 @@ class BatchClient:
         return out
 
     def staleness_histogram(self) -> dict[int, int]:
-        return {int(k): int(v) for k, v in self.redis.hgetall(self.keys.staleness).items()}
+        raw = self._retry(lambda: self.redis.hgetall(self.keys.staleness), "reading the staleness histogram")
+        return {int(k): int(v) for k, v in raw.items()}
 
     def counters(self) -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in self.redis.hgetall(self.keys.counters).items()}
+        raw = self._retry(lambda: self.redis.hgetall(self.keys.counters), "reading the counters")
+        return {k.decode(): int(v) for k, v in raw.items()}
 
 
 class ClaimsAhead:

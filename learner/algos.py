@@ -184,6 +184,19 @@ def policy_loss(
     mask_BT: torch.Tensor,
     cfg: PolicyLossConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """``policy_loss_terms`` with its metrics as Python floats."""
+    loss, metrics = policy_loss_terms(logprobs_BT, prox_logprobs_BT, behav_logprobs_BT, advantages_BT, mask_BT, cfg)
+    return loss, {k: float(v) for k, v in metrics.items()}
+
+
+def policy_loss_terms(
+    logprobs_BT: torch.Tensor,
+    prox_logprobs_BT: torch.Tensor | None,
+    behav_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    cfg: PolicyLossConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate with an off-policy correction for stale samples. Returns (loss, metrics).
 
     - ``none``: PPO around the behaviour policy, ratio pi/mu.
@@ -228,11 +241,13 @@ def policy_loss(
             loss_BT = torch.where(adv < 0, bounded, loss_BT)
         loss_BT = loss_BT * behav_weight
     loss = aggregate(loss_BT, mask, cfg.aggregation)
+    # 0-d tensors on the loss's device: the trainer sums them over micro-batches and reads them
+    # once per step (a float() here would stall the host on the GPU at every micro-batch)
     metrics = {
-        "clip_frac": float(masked_mean(clipped, mask)),
-        "ratio_mean": float(masked_mean(ratio.detach(), mask)),
-        "behav_weight_mean": float(masked_mean(behav_weight, mask)),
-        "behav_weight_max": float((behav_weight * mask).max()) if mask.any() else 0.0,
+        "clip_frac": masked_mean(clipped, mask).detach(),
+        "ratio_mean": masked_mean(ratio.detach(), mask),
+        "behav_weight_mean": masked_mean(behav_weight, mask),
+        "behav_weight_max": (behav_weight * mask).max() if mask.numel() else mask.new_zeros(()),
     }
     return loss, metrics
 

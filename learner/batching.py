@@ -161,3 +161,81 @@ def entropy_at(logits_bLV: torch.Tensor, mb: MicroBatch, grad: bool) -> torch.Te
         out = torch.zeros(logits_bLV.shape[:2], dtype=ent.dtype, device=logits_bLV.device)
         out = out.index_put((rows, cols), ent)
     return out
+
+
+@dataclass
+class StagedMicroBatch:
+    """A micro-batch's tensors on the training device, moved once at the start of a step (from
+    pinned memory, without blocking) so the micro-batch loop issues no host-to-device copy, each
+    of which would otherwise wait for the GPU to drain."""
+
+    input_ids: torch.Tensor  # [b, L]
+    position_ids: torch.Tensor  # [b, L]
+    attention_mask: torch.Tensor | None  # [b, L] when padded
+    targets: torch.Tensor  # [b, L] next token at each position
+    rows_N: torch.Tensor  # input-layout (row, column) of every response token's prediction,
+    cols_N: torch.Tensor  # sequence after sequence (N = response tokens of the micro-batch)
+    targets_N: torch.Tensor  # the response tokens
+    seq_N: torch.Tensor  # their place in the [sequences, width] layout: sequence, position
+    pos_N: torch.Tensor
+    mask: torch.Tensor  # [sequences, width] 1 on real tokens (on the device)
+    mask_cpu: torch.Tensor  # the same on the host: sums and shapes without a device sync
+    # packed rows: cumulative sequence lengths (int32, [sequences + 1]) and the longest, what
+    # variable-length attention kernels take (transformers' cu_seq_lens_q / max_length_q)
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int
+
+    @property
+    def width(self) -> int:
+        return int(self.mask_cpu.shape[1])
+
+
+def stage(mb: MicroBatch, device: torch.device) -> StagedMicroBatch:
+    lens = [len(c) for c in mb.gather_cols]
+    width = max(lens, default=0)
+    rows = torch.cat(mb.gather_rows) if lens else torch.zeros(0, dtype=torch.long)
+    cols = torch.cat(mb.gather_cols) if lens else torch.zeros(0, dtype=torch.long)
+    seq = torch.cat([torch.full((n,), k, dtype=torch.long) for k, n in enumerate(lens)]) if lens else rows
+    pos = torch.cat([torch.arange(n) for n in lens]) if lens else rows
+    mask = torch.zeros((len(lens), width), dtype=torch.float32)
+    mask[seq, pos] = 1.0
+    packed = packed_lengths(mb)
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        if device.type != "cuda":
+            return t
+        return t.pin_memory().to(device, non_blocking=True)
+
+    return StagedMicroBatch(
+        input_ids=dev(mb.input_ids),
+        position_ids=dev(mb.position_ids),
+        attention_mask=None if mb.attention_mask is None else dev(mb.attention_mask),
+        targets=dev(mb.targets),
+        rows_N=dev(rows),
+        cols_N=dev(cols),
+        targets_N=dev(mb.targets[rows, cols]),
+        seq_N=dev(seq),
+        pos_N=dev(pos),
+        mask=dev(mask),
+        mask_cpu=mask,
+        cu_seqlens=None if packed is None else dev(packed[0]),
+        max_seqlen=0 if packed is None else packed[1],
+    )
+
+
+def packed_lengths(mb: MicroBatch) -> tuple[torch.Tensor, int] | None:
+    """A packed micro-batch's cumulative sequence lengths (int32) and longest sequence, from the
+    restarts of its position ids (host tensors: no device sync); None when padded."""
+    if mb.attention_mask is not None or mb.position_ids.shape[0] != 1:
+        return None
+    pos = mb.position_ids[0]
+    starts = torch.nonzero(pos == 0).flatten()
+    cu = torch.cat([starts, torch.tensor([len(pos)])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max()) if len(starts) else 0
+
+
+def scatter_rows(values_N: torch.Tensor, smb: StagedMicroBatch) -> torch.Tensor:
+    """Flat per-response-token values -> [sequences, width] (zeros past each sequence's end);
+    differentiable, one kernel (``to_rows`` loops over the sequences)."""
+    out = values_N.new_zeros(smb.mask.shape)
+    return out.index_put((smb.seq_N, smb.pos_N), values_N)

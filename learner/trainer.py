@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,14 +31,20 @@ from learner import algos
 from learner.batching import (
     MicroBatch,
     Sequence,
+    StagedMicroBatch,
     build_micro_batch,
     entropy_at,
+    packed_lengths,
     pad_rows,
     plan_micro_batches,
+    scatter_rows,
     sequences,
+    stage,
     to_rows,
     token_logprobs,
 )
+from learner.logprobs import linear_logprobs_entropy
+from learner.speedups import VARLEN_NAME, compile_regions
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +115,21 @@ class Trainer:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=conf
         )
         self.ref = self._load_reference() if cfg.algo.kl.coef > 0 else None
+        # Log-probabilities and entropies from the last hidden states through the output
+        # projection chunk by chunk (learner/logprobs.py): the [tokens, vocab] logits never exist
+        # whole. Needs the head's weight outside its forward, hence not under ZeRO-3 (partitioned
+        # parameters), and a head that is a plain bias-free linear map (checked again on the first
+        # micro-batch against the model's own logits). ``compile_loss``: the chunks' element-wise
+        # work as a few fused kernels (torch.compile, CUDA only). Both are attributes so the
+        # benchmark can measure the plain path in the same run.
+        self.fused_logprobs = cfg.ds.zero_stage < 3 and _plain_linear_head(model)
+        self.compile_loss = self.on_gpu
+        self._fused_checked = False
+        # torch.compile of the policy's decoder layers (learner/speedups.py), applied at the first
+        # step so the benchmark can turn it off first; GPU only, not under ZeRO-3 (its parameter
+        # hooks gather and release weights inside the layers).
+        self.compile_regions = self.on_gpu and cfg.ds.zero_stage < 3
+        self._compiled = False
         self.critic = self._build_critic(conf) if cfg.algo.critic.enabled else None
         self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
         t = cfg.train
@@ -153,13 +174,32 @@ class Trainer:
             if (self.cfg.ds.dtype == "bf16" or (self.cfg.ds.dtype == "auto" and self.on_gpu))
             else torch.float32
         )
+        self.attn_impl = self._attention_implementation()
         model = AutoModelForCausalLM.from_pretrained(
-            self.cfg.train.model, dtype=dtype, attn_implementation=self.cfg.train.attn_implementation
+            self.cfg.train.model, dtype=dtype, attn_implementation=self.attn_impl
         )
         if self.cfg.train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         return model
+
+    def _attention_implementation(self) -> str:
+        """``train.attn_implementation``, except that ``flash_attention_2`` without the flash-attn
+        package runs on PyTorch's own copy of the FlashAttention-2 varlen kernels (packed rows)."""
+        from learner import speedups
+
+        name = self.cfg.train.attn_implementation
+        if name != "flash_attention_2" or not self.on_gpu or speedups.flash_attn_installed():
+            return name
+        if not speedups.varlen_available():
+            return name  # transformers says what is missing
+        if self.cfg.train.packing is False:
+            raise ValueError(
+                "train.attn_implementation flash_attention_2 without the flash-attn package runs PyTorch's "
+                "varlen kernels, which take packed micro-batches: set train.packing auto or true, or install flash-attn"
+            )
+        log.warning("flash-attn is not installed: flash_attention_2 runs on PyTorch's FlashAttention-2 varlen kernels")
+        return speedups.register_varlen()
 
     def _build_critic(self, conf: dict[str, Any]) -> Any:
         """A value model: the policy's backbone with a scalar head, in its own DeepSpeed engine."""
@@ -171,7 +211,7 @@ class Trainer:
             c.model or self.cfg.train.model,
             num_labels=1,
             dtype=self.engine.module.dtype,
-            attn_implementation=self.cfg.train.attn_implementation,
+            attn_implementation=self.attn_impl,
         )
         model.config.use_cache = False
         optimizer = torch.optim.AdamW(model.parameters(), lr=c.lr, weight_decay=self.cfg.train.weight_decay)
@@ -249,6 +289,12 @@ class Trainer:
         return stats.metrics["loss/policy"]
 
     def train_step(self, batch: Batch, apply: bool = True) -> StepStats | None:
+        if self.compile_regions and not self._compiled:
+            # whole layers when the attention is a graph break (the varlen kernels); flex
+            # attention's block mask does not trace well, so there only the norms and MLPs
+            n = compile_regions(self.engine.module, whole_layers=self.attn_impl == VARLEN_NAME)
+            log.info("compiled %d regions of the policy", n)
+        self._compiled = True
         seqs, rewards_GN = sequences(batch)
         stats = StepStats(self.version)
         stats.staleness.update(g.staleness for g in batch.groups)
@@ -278,9 +324,11 @@ class Trainer:
         extra = self._agree_max(len(mbs)) - len(mbs) if apply else 0
         mbs += [mbs[-1]] * extra
         weights += [0.0] * extra
+        staged = [stage(mb, self.device) for mb in mbs]
         resp_mask = pad_rows([np.ones(len(s.response)) for s in seqs])
-        prox = self._logprobs_no_grad(self.engine, seqs, mbs, resp_mask.shape[1]) if self._needs_prox() else None
-        ref = self._logprobs_no_grad(self.ref, seqs, mbs, resp_mask.shape[1]) if self.ref is not None else None
+        width = resp_mask.shape[1]
+        prox = self._logprobs_no_grad(self.engine, seqs, mbs, staged, width) if self._needs_prox() else None
+        ref = self._logprobs_no_grad(self.ref, seqs, mbs, staged, width) if self.ref is not None else None
         old_values = self._values(seqs, mbs, resp_mask.shape[1]) if self.critic is not None else None
         kl_in_reward = ref if (ref is not None and self.cfg.algo.kl.in_reward) else None
         kl_ref = None
@@ -297,7 +345,7 @@ class Trainer:
             gamma=self.cfg.algo.advantage.gamma,
             lam=self.cfg.algo.advantage.lam,
         )
-        self._optimize(seqs, mbs, weights, adv, prox, ref, resp_mask, stats, apply)
+        self._optimize(seqs, mbs, staged, weights, adv, prox, ref, resp_mask, stats, apply)
         if self.critic is not None:
             assert old_values is not None and returns is not None
             self._fit_critic(mbs, weights, old_values, returns, resp_mask, stats, apply)
@@ -378,27 +426,84 @@ class Trainer:
         )
 
     def _forward(self, model: Any, mb: MicroBatch) -> torch.Tensor:
+        packed = packed_lengths(mb)
+        cu_seqlens, longest = (packed[0].to(self.device), packed[1]) if packed is not None else (None, None)
         out = model(
             input_ids=mb.input_ids.to(self.device),
             position_ids=mb.position_ids.to(self.device),
             attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(self.device),
             use_cache=False,
+            **self._varlen_kwargs(model, cu_seqlens, longest),
         )
         return out.logits
 
+    def _varlen_kwargs(self, model: Any, cu_seqlens: torch.Tensor | None, longest: int | None) -> dict[str, Any]:
+        """Sequence boundaries of a packed row for flash-attention-style kernels (transformers'
+        FlashAttentionKwargs): they need not find them from position ids, which costs a host sync."""
+        impl = getattr(getattr(_unwrap(model), "config", None), "_attn_implementation", None)
+        if cu_seqlens is None or not longest or impl not in ("flash_attention_2", "flash_attention_3", VARLEN_NAME):
+            return {}
+        return {
+            "cu_seq_lens_q": cu_seqlens,
+            "cu_seq_lens_k": cu_seqlens,
+            "max_length_q": longest,
+            "max_length_k": longest,
+        }
+
     @torch.no_grad()
-    def _logprobs_no_grad(self, model: Any, seqs: list[Sequence], mbs: list[MicroBatch], width: int) -> torch.Tensor:
+    def _logprobs_no_grad(
+        self, model: Any, seqs: list[Sequence], mbs: list[MicroBatch], staged: list[StagedMicroBatch], width: int
+    ) -> torch.Tensor:
         out = torch.zeros((len(seqs), width), dtype=torch.float32)
-        for mb in mbs:
-            lp = token_logprobs(self._forward(model, mb), mb.targets.to(self.device), self.temperature).cpu()
-            rows, _ = to_rows(lp, mb)
-            out[mb.seq_index, : rows.shape[1]] = rows
+        for mb, smb in zip(mbs, staged, strict=True):
+            lp, _ = self._token_stats(model, mb, smb, entropy_grad=False)
+            out[mb.seq_index, : smb.width] = scatter_rows(lp, smb).cpu()
         return out
+
+    def _token_stats(
+        self, model: Any, mb: MicroBatch, smb: StagedMicroBatch, entropy_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p of every response token of the micro-batch under the sampling temperature, and
+        the entropy of the next-token distribution there (raw logits): flat [N] on the device."""
+        inputs = {"input_ids": smb.input_ids, "position_ids": smb.position_ids, "attention_mask": smb.attention_mask}
+        inputs.update(self._varlen_kwargs(model, smb.cu_seqlens, smb.max_seqlen))
+        if self.fused_logprobs:
+            # The backbone's last hidden states (the final norm applied: transformers ties
+            # hidden_states[-1] to last_hidden_state); the head computes logits for one position
+            # only. Going through the engine's forward keeps DeepSpeed's backward hooks.
+            out = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+            hidden = out.hidden_states[-1]
+            weight = _unwrap(model).get_output_embeddings().weight
+            if not self._fused_checked:
+                self._check_fused_head(hidden, weight, out.logits)
+            if self.fused_logprobs:
+                lp, ent = linear_logprobs_entropy(
+                    hidden[smb.rows_N, smb.cols_N], weight, smb.targets_N, self.temperature, compiled=self.compile_loss
+                )
+                return lp, ent if entropy_grad else ent.detach()
+        # the plain path: the model's [b, L, vocab] logits, log-softmax in fp32 over every position
+        logits = model(**inputs, use_cache=False).logits
+        lp = token_logprobs(logits, smb.targets, self.temperature)[smb.rows_N, smb.cols_N]
+        ent = entropy_at(logits, mb, grad=entropy_grad)[smb.rows_N, smb.cols_N]
+        return lp, ent
+
+    def _check_fused_head(self, hidden: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor) -> None:
+        """Once: the model's own logits at the last position must be hidden @ weight.T, or the fused
+        path computes something else (a scaled or soft-capped head): then the plain path it is."""
+        self._fused_checked = True
+        with torch.no_grad():
+            mine = (hidden[:, -1] @ weight.T).float()
+            theirs = logits[:, -1].float()
+            ok = bool(torch.allclose(mine, theirs, rtol=2e-2, atol=2e-2 * float(theirs.abs().max().clamp(min=1.0))))
+        if not ok:
+            log.warning("the model's logits are not its last hidden states @ the head weight: plain log-probabilities")
+            self.fused_logprobs = False
 
     def _optimize(
         self,
         seqs: list[Sequence],
         mbs: list[MicroBatch],
+        staged: list[StagedMicroBatch],
         weights: list[float],
         adv: torch.Tensor,
         prox: torch.Tensor | None,
@@ -410,62 +515,87 @@ class Trainer:
         algo = self.cfg.algo
         step_tokens = float(resp_mask.sum())
         step_seqs, step_width = len(seqs), resp_mask.shape[1]
-        sums: Counter[str] = Counter()
+        # every micro-batch's per-token inputs on the device before the first forward
+        inputs = [self._loss_inputs(seqs, mb, smb, adv, prox, ref) for mb, smb in zip(mbs, staged, strict=True)]
+        # metric sums stay on the device and are read once after the loop: a float() per
+        # micro-batch would make the host wait for each backward before queueing the next forward
+        sums: dict[str, torch.Tensor] = {}
+        tokens = 0.0
         self.engine.train()
-        for k, (mb, weight) in enumerate(zip(mbs, weights, strict=True)):
+        for k, (mb, smb, weight, inp) in enumerate(zip(mbs, staged, weights, inputs, strict=True)):
             with torch.enable_grad() if apply else torch.no_grad():
-                loss, m, n, ent_mean, kl_mean = self._micro_loss(
-                    seqs, mb, adv, prox, ref, step_tokens, step_seqs, step_width
-                )
+                loss, m = self._micro_loss(mb, smb, inp, step_tokens, step_seqs, step_width)
+            n = float(smb.mask_cpu.sum())
             if weight == 0.0:
                 loss, n = loss * 0.0, 0.0  # padding: same collectives, no gradient, not counted
             if apply:
                 self.engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
                 self.engine.backward(loss)
                 self.engine.step()
-            sums["tokens"] += n
-            sums["loss"] += float(loss.detach())
-            sums["entropy"] += ent_mean * n
-            sums["kl"] += kl_mean * n
-            for key in ("clip_frac", "ratio_mean", "behav_weight_mean"):
-                sums[key] += m[key] * n
-            sums["behav_weight_max"] = max(sums["behav_weight_max"], m["behav_weight_max"])
-        self._record(sums, stats, len(mbs), ref is not None and not algo.kl.in_reward)
+            tokens += n
+            terms = {"loss": loss.detach()}
+            terms.update({key: m[key] * n for key in ("entropy", "kl", "clip_frac", "ratio_mean", "behav_weight_mean")})
+            for key, v in terms.items():
+                sums[key] = sums[key] + v if key in sums else v
+            top = m["behav_weight_max"]
+            sums["behav_weight_max"] = torch.maximum(sums["behav_weight_max"], top) if k else top
+        keys = list(sums)
+        values = torch.stack([sums[key].float() for key in keys]).tolist() if keys else []
+        totals: defaultdict[str, float] = defaultdict(float, zip(keys, values, strict=True))
+        totals["tokens"] = tokens
+        self._record(totals, stats, len(mbs), ref is not None and not algo.kl.in_reward)
 
-    def _micro_loss(
+    def _loss_inputs(
         self,
         seqs: list[Sequence],
         mb: MicroBatch,
+        smb: StagedMicroBatch,
         adv: torch.Tensor,
         prox: torch.Tensor | None,
         ref: torch.Tensor | None,
+    ) -> dict[str, torch.Tensor | None]:
+        """A micro-batch's rows of the step's per-token tensors, [sequences, width], on the device."""
+        idx, w = mb.seq_index, smb.width
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            return t.pin_memory().to(self.device, non_blocking=True) if self.on_gpu else t
+
+        return {
+            "behav": dev(pad_rows([seqs[i].behav_logprobs for i in idx], w)),
+            "adv": dev(adv[idx, :w]),
+            "prox": None if prox is None else dev(prox[idx, :w]),
+            "ref": None if ref is None else dev(ref[idx, :w]),
+        }
+
+    def _micro_loss(
+        self,
+        mb: MicroBatch,
+        smb: StagedMicroBatch,
+        inp: dict[str, torch.Tensor | None],
         step_tokens: float,
         step_seqs: int,
         step_width: int,
-    ) -> tuple[torch.Tensor, dict[str, float], float, float, float]:
-        """One micro-batch's share of the step loss, its metrics, tokens, mean entropy, mean KL."""
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's share of the step loss and its metrics (0-d tensors on the device: the
+        policy loss's, the mean entropy and the mean KL)."""
         algo = self.cfg.algo
-        idx = mb.seq_index
-        logits = self._forward(self.engine, mb)
-        lp, mask = to_rows(token_logprobs(logits, mb.targets.to(self.device), self.temperature), mb)
-        w = mask.shape[1]
-        mask = mask.to(lp.device)
-        behav = pad_rows([seqs[i].behav_logprobs for i in idx], w).to(lp.device)
-        a = adv[idx, :w].to(lp.device)
-        p = prox[idx, :w].to(lp.device) if prox is not None else None
-        loss, m = algos.policy_loss(lp, p, behav, a, mask, self.loss_cfg)
-        kl_mean = 0.0
+        lp_N, ent_N = self._token_stats(self.engine, mb, smb, entropy_grad=algo.entropy_coef > 0)
+        lp, ent_rows, mask = scatter_rows(lp_N, smb), scatter_rows(ent_N, smb), smb.mask
+        behav, a, ref = inp["behav"], inp["adv"], inp["ref"]
+        assert behav is not None and a is not None
+        loss, m = algos.policy_loss_terms(lp, inp["prox"], behav, a, mask, self.loss_cfg)
+        m["kl"] = mask.new_zeros(())
         if ref is not None and not algo.kl.in_reward:
-            kl = algos.kl_estimate(lp, ref[idx, :w].to(lp.device), algo.kl.estimator)
+            kl = algos.kl_estimate(lp, ref, algo.kl.estimator)
             loss = loss + algo.kl.coef * algos.aggregate(kl, mask, self.loss_cfg.aggregation)
-            kl_mean = float(algos.masked_mean(kl.detach(), mask))
-        ent_rows, _ = to_rows(entropy_at(logits, mb, grad=algo.entropy_coef > 0), mb)
+            m["kl"] = algos.masked_mean(kl.detach(), mask)
         if algo.entropy_coef > 0:
             loss = loss - algo.entropy_coef * algos.aggregate(ent_rows, mask, self.loss_cfg.aggregation)
-        loss = loss * self._share(mb, mask, step_tokens, step_seqs, step_width)
-        return loss, m, float(mask.sum()), float(algos.masked_mean(ent_rows.detach(), mask)), kl_mean
+        m["entropy"] = algos.masked_mean(ent_rows.detach(), mask)
+        loss = loss * self._share(mb, smb.mask_cpu, step_tokens, step_seqs, step_width)
+        return loss, m
 
-    def _record(self, sums: Counter[str], stats: StepStats, micro_batches: int, with_kl: bool) -> None:
+    def _record(self, sums: defaultdict[str, float], stats: StepStats, micro_batches: int, with_kl: bool) -> None:
         n = max(sums["tokens"], 1.0)
         stats.metrics.update(
             {
@@ -591,3 +721,19 @@ class Trainer:
 
 def dist_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _unwrap(model: Any) -> Any:
+    """The transformers model inside a DeepSpeed engine (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+def _plain_linear_head(model: torch.nn.Module) -> bool:
+    """Whether the model's logits are plainly last hidden states @ head weight (no bias, no scale,
+    no soft-cap), which the fused log-probabilities assume."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return False
+    config = getattr(model, "config", None)
+    return not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))

@@ -3,9 +3,9 @@
 Hypothesis draws message-shaped msgpack maps from the wire schema itself (``msgspec.inspect``):
 every message type, with well-typed fields, wrong-typed fields, missing and unknown fields,
 unknown and misplaced ``type`` tags, foreign schema versions, invalid UTF-8 in strings. That
-takes a few seconds for a few thousand examples, so it runs once per session; the mutator then
-derives hundreds of thousands of messages from them (and from real, valid messages) at a few
-microseconds each: truncations, bit flips, interesting bytes, splices, random bytes, lying
+costs milliseconds an example, so it runs once per session (tests/fuzz/conftest.py); the
+mutator then derives hundreds of thousands of messages from them (and from real, valid
+messages) at some microseconds each: truncations, bit flips, interesting bytes, splices, random bytes, lying
 msgpack length headers, deep nesting, empty and extra frames, frames over the size limit.
 
 An oracle per socket says, for each mutant, which rejection reason(s) the receiver must count,
@@ -162,7 +162,7 @@ def _perturb(args: tuple[dict[str, Any], str, Any, str, str, int]) -> Any:
     elif how == "tag_other":
         msg["type"] = other_tag
     elif how == "sv":
-        msg["sv"] = junk if not isinstance(junk, int) or junk == wire.SCHEMA_VERSION else junk + 1
+        msg["sv"] = wire.SCHEMA_VERSION + 1 if junk == wire.SCHEMA_VERSION else junk
     elif how == "no_tag":
         msg.pop("type", None)
     elif how == "array":

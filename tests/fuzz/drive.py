@@ -42,6 +42,7 @@ from flywheel.wire import (
     encode,
     pack_i32,
 )
+from tests.conftest import Cluster
 from tests.fuzz import corpus
 from tests.fuzz.corpus import Frames, Mutator, Oracle
 from tests.integration.handgen import HandGenerator, expected_sample, make_chunk
@@ -57,9 +58,9 @@ class FuzzResult:
     expected: Counter[str] = field(default_factory=Counter)  # rejections the receiver must count
     counted: Counter[str] = field(default_factory=Counter)  # rejections it counted
     transport_dropped: int = 0  # frames over ZMQ's MAXMSGSIZE: the connection is dropped, unseen
-    # HTTP: connections the client gave up on (the server still waited for bytes): a refusal
-    # the server answered after that is counted but never seen, so counted may exceed expected
-    # by at most this
+    # HTTP: connections the client gave up on (the server still waited for bytes) or that the
+    # server reset: a refusal it answered on them is counted but may never be seen, so counted
+    # may exceed expected (what the client saw) by at most this
     undelivered_bound: int = 0
     skipped_valid: int = 0  # mutants that were valid messages, so not sent
     crashes: int = 0
@@ -195,10 +196,7 @@ class HubRun:
     lease, one chunk of which is durable before the flood. ``still_serves`` checks afterwards
     that the hub serves new generators, acks, scores, and lost nothing it had acknowledged."""
 
-    def __init__(self, cluster: object) -> None:
-        from tests.conftest import Cluster
-
-        assert isinstance(cluster, Cluster)
+    def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         cluster.start_hub(*HUB_ARGS)
         self.good = HandGenerator(cluster.gen_address, "good")
@@ -712,20 +710,23 @@ def http_statuses(data: bytes) -> list[int]:
 
 
 def http_flood(
-    port: int, payloads: Iterator[bytes], concurrency: int = 4, half_close: bool = True, idle_s: float = 0.3
+    port: int, payloads: Iterator[bytes], concurrency: int = 4, half_close: bool = True, idle_s: float = 10.0
 ) -> Counter[str]:
     """Send each payload on a connection of its own and read the answer until the server closes.
 
     ``half_close``: shut our side after the payload, so that a server waiting for more knows
     there is none (http.server answers then; aiohttp closes at once, unanswered, so for it the
     payloads say ``Connection: close`` instead and a server still silent after ``idle_s`` is
-    waiting for bytes that never come: outcome ``timeout``). Outcomes: ``http_<status>`` per
-    response, ``no_response`` for a silent close, ``served_http09`` for a body without status.
+    waiting for bytes that never come: outcome ``timeout``; give it a short ``idle_s``). Outcomes: ``http_<status>`` per
+    response, ``no_response`` for a silent close, ``served_http09`` for a body without status,
+    ``reset`` when the server reset the connection (it closed with our bytes unread, e.g. past
+    a request line too long): an answer it sent may then be lost on the way.
     """
     sel = selectors.DefaultSelector()
     outcomes: Counter[str] = Counter()
     buffers: dict[socket.socket, list[bytes]] = {}
     last: dict[socket.socket, float] = {}
+    resets: set[socket.socket] = set()
 
     def start() -> bool:
         payload = next(payloads, None)
@@ -742,9 +743,15 @@ def http_flood(
         del last[s]
         codes = http_statuses(data)
         outcomes.update(f"http_{c}" for c in codes)
-        if timed_out:
+        reset = s in resets
+        resets.discard(s)
+        if codes:
+            pass  # answered (a connection the server then kept open, idle, is no timeout)
+        elif timed_out:
             outcomes["timeout"] += 1
-        elif not codes:
+        elif reset:
+            outcomes["reset"] += 1
+        else:
             outcomes["served_http09" if data else "no_response"] += 1
         sel.unregister(s)
         s.close()
@@ -769,6 +776,7 @@ def http_flood(
             except BlockingIOError:
                 continue
             except OSError:
+                resets.add(s)
                 chunk = b""
             if chunk:
                 buffers[s].append(chunk)
@@ -809,7 +817,8 @@ def fuzz_hub_metrics(hub: HubRun, n: int, rng: random.Random) -> FuzzResult:
     result.seconds = time.perf_counter() - start
     result.messages = n
     result.expected = _refused(outcomes) + Counter(http_blank=outcomes["no_response"])
-    result.note = f"served: {outcomes.total() - result.expected.total()}"
+    result.undelivered_bound = outcomes["reset"] + outcomes["timeout"]
+    result.note = f"outcomes: {dict(outcomes)}"
     hub.wait_counted(result, before, family)
     result.crashes = int(not hub.alive())
     return result
@@ -835,11 +844,11 @@ def fuzz_rm_server(tmp: Path, seeds: list[bytes], n: int, rng: random.Random) ->
 
         start = time.perf_counter()
         payloads = http_payloads(rm_seeds(seeds) + http_specials(b"/score"), n, rng)
-        outcomes = http_flood(port, payloads, concurrency=16, half_close=False)
+        outcomes = http_flood(port, payloads, concurrency=16, half_close=False, idle_s=0.3)
         result.seconds = time.perf_counter() - start
         result.messages = n
         result.expected = _refused(outcomes)  # the refusals the client saw
-        result.undelivered_bound = outcomes["timeout"]
+        result.undelivered_bound = outcomes["timeout"] + outcomes["reset"]
         result.note = f"outcomes: {dict(outcomes)}"
         want = result.expected.total()
         wait_for(lambda: refused().total() >= want, 60, f"{want} refusals counted")
@@ -851,7 +860,8 @@ def fuzz_rm_server(tmp: Path, seeds: list[bytes], n: int, rng: random.Random) ->
         req = urllib.request.Request(f"http://127.0.0.1:{port}/score", body, {"Content-Type": "application/json"})
         assert json.loads(urllib.request.urlopen(req, timeout=30).read()) == {"rewards": [5.0]}
         log = svc.log_path.read_text()
-        assert log.count("Traceback") < 30, svc.tail(40)  # aiohttp's tracebacks: once per kind per 10 s
+        # aiohttp logs each unparsable request with a traceback: here once per kind per 10 s
+        assert log.count("Traceback") <= max(30, n // 100), svc.tail(40)
         assert "RecursionError" not in log and "http_500" not in result.counted, svc.tail(40)
     finally:
         svc.stop()

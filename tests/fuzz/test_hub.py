@@ -31,7 +31,10 @@ def test_hub_sockets(cluster: Cluster, fuzz_seeds: list[bytes], fuzz_rng: random
     check_zmq(fuzz_hub_reward_port(hub, fuzz_seeds, MESSAGES, fuzz_rng))
     metrics = fuzz_hub_metrics(hub, HTTP_REQUESTS, fuzz_rng)
     assert metrics.messages >= HTTP_REQUESTS and metrics.crashes == 0
-    assert metrics.counted == metrics.expected, (metrics.counted, metrics.expected)  # http_<status>, http_blank
+    # every refusal the client saw counted under its reason (http_<status>, http_blank), and no
+    # more but for answers lost to a connection reset
+    assert not metrics.expected - metrics.counted, (metrics.counted, metrics.expected)
+    assert metrics.counted.total() - metrics.expected.total() <= metrics.undelivered_bound, metrics.note
     assert metrics.expected.total() > HTTP_REQUESTS // 2, metrics.note  # most garbage is refused, not served
     # new generators get leases and acks, scores are taken, and the early chunk is intact
     hub.still_serves()
