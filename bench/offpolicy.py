@@ -69,6 +69,7 @@ from reward_service.builtins import arithmetic as arithmetic_reward  # noqa: E40
 CORRECTIONS = ("decoupled", "tis", "none")
 COLOURS = {"decoupled": "tab:blue", "tis": "tab:green", "none": "tab:red"}
 STYLES = {0: ":", 4: "--", 8: "-"}
+WARM_SEED = 0  # the quickstart's run.seed: its model and warm start
 
 
 # --------------------------------------------------------------------------- tasks
@@ -127,9 +128,14 @@ TASKS = {
 }
 
 
-def recipe(task: Task, args: argparse.Namespace, correction: str = "decoupled", eta: int = 0) -> FlywheelConfig:
+def recipe(
+    task: Task, args: argparse.Namespace, correction: str = "decoupled", eta: int = 0, seed: int | None = None
+) -> FlywheelConfig:
+    """The quickstart recipe for ``task`` with the sweep's settings; ``run.seed`` is ``args.seed``
+    (the RL run's sampling and prompt order) unless ``seed`` is given."""
     over = [*task.overrides, "--algo.off_policy.correction", correction, "--async.max_staleness", str(eta)]
-    over += ["--train.lr", str(args.lr), "--train.total_steps", str(args.steps), "--run.seed", str(args.seed)]
+    over += ["--train.lr", str(args.lr), "--train.total_steps", str(args.steps)]
+    over += ["--run.seed", str(args.seed if seed is None else seed)]
     over += list(getattr(args, "overrides", []))
     return load_config(over, recipe=ROOT / "configs" / "quickstart.yaml")
 
@@ -317,11 +323,12 @@ def greedy_accuracy(model: Any, tok: Any, rows: list[dict[str, str]], cfg: Flywh
 
 def warm_start(task: Task, args: argparse.Namespace, work: Path) -> Path:
     """The task's supervised warm start (``learner.sft``, as ``flywheel run`` does it) from the
-    recipe's model built from code; kept in ``work`` and reused by every run."""
+    recipe's model built from code, with the recipe's seed whatever ``--seeds`` (they vary the RL
+    runs only); kept in ``work`` and reused by every run."""
     from flywheel.tiny import build_checkpoint
     from learner.sft import warm_start as sft
 
-    cfg = recipe(task, args)
+    cfg = recipe(task, args, seed=WARM_SEED)
     size = cfg.launch.tiny_model or "small"
     out = work / f"warm-{task.name}-{size}-sft{cfg.sft.steps}-seed{cfg.run.seed}"
     if not (out / "config.json").exists():
@@ -416,7 +423,7 @@ def train(task: Task, cfg: FlywheelConfig, warm: Path, staleness: str = "max", l
 def run_one(task: Task, correction: str, eta: int, args: argparse.Namespace, warm: Path) -> dict[str, Any]:
     cfg = recipe(task, args, correction, eta)
     run = train(task, cfg, warm, args.staleness, label=f"{task.name} {correction} η={eta}")
-    return summarise(task, correction, eta, run)
+    return {**summarise(task, correction, eta, run), "seed": cfg.run.seed}
 
 
 def summarise(task: Task, correction: str, eta: int, run: Run) -> dict[str, Any]:
@@ -461,7 +468,28 @@ def smooth(values: list[float], window: int) -> list[float]:
     return [float(np.mean(values[max(0, i - window + 1) : i + 1])) for i in range(len(values))]
 
 
+def over_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (task, correction, η): the mean over its seeds of every figure and of the reward
+    curve, with the seeds' standard deviation of the last-tenth reward and final accuracy."""
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["task"], r["correction"], r["eta"]), []).append(r)
+    out = []
+    for (task, correction, eta), runs in groups.items():
+        row: dict[str, Any] = {"task": task, "correction": correction, "eta": eta, "seeds": len(runs)}
+        for key, value in runs[0].items():
+            if isinstance(value, float) and key not in row:
+                row[key] = float(np.mean([r[key] for r in runs]))
+        row["w_max"] = max(r["w_max"] for r in runs)
+        row["reward_curve"] = np.mean([r["reward_curve"] for r in runs], 0).tolist()
+        row["reward_last_sd"] = float(np.std([r["reward_last"] for r in runs]))
+        row["accuracy_end_sd"] = float(np.std([r["accuracy_end"] for r in runs]))
+        out.append(row)
+    return out
+
+
 def plot(rows: list[dict[str, Any]], tasks: list[Task], path: Path, window: int) -> None:
+    """One panel per task: the batch reward (moving mean; the mean over seeds when there are several)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -469,13 +497,14 @@ def plot(rows: list[dict[str, Any]], tasks: list[Task], path: Path, window: int)
 
     fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.2), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
-        for r in (r for r in rows if r["task"] == task.name):
+        for r in (r for r in over_seeds(rows) if r["task"] == task.name):
+            seeds = f" ({r['seeds']} seeds)" if r["seeds"] > 1 else ""
             ax.plot(
                 smooth(r["reward_curve"], window),
                 color=COLOURS[r["correction"]],
                 ls=STYLES.get(r["eta"], "-."),
                 lw=1.6,
-                label=f"{r['correction']}, η = {r['eta']}",
+                label=f"{r['correction']}, η = {r['eta']}{seeds}",
             )
         ax.set(xlabel="learner step", ylabel=f"batch reward (moving mean, {window} steps)", title=task.title)
         ax.grid(alpha=0.3)
@@ -491,7 +520,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title="off-policy correction under staleness")
-    heads = ["task", "correction", "η", "reward first → last tenth (peak)", "greedy acc before → after"]
+    heads = ["task", "correction", "η", "seed", "reward first → last tenth (peak)", "greedy acc before → after"]
     heads += ["|log w|", "w mean (trunc.)", "w max", "w > cap", "clip frac", "wall s"]
     for h in heads:
         table.add_column(h, justify="left" if h in ("task", "correction") else "right")
@@ -500,6 +529,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             r["task"],
             r["correction"],
             str(r["eta"]),
+            str(r.get("seed", 0)),
             f"{r['reward_first']:.2f} → {r['reward_last']:.2f} ({r['reward_peak']:.2f})",
             f"{r['accuracy_start']:.0%} → {r['accuracy_end']:.0%}",
             f"{r['abs_log_w']:.3f}",
@@ -509,13 +539,32 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['clip_frac']:.3f}",
             f"{r['wall_s']:.0f}",
         )
-    Console(width=180).print(table)
+    console = Console(width=180)
+    console.print(table)
+    means = over_seeds(rows)
+    if all(m["seeds"] == 1 for m in means):
+        return
+    table = Table(title="mean ± standard deviation over seeds")
+    for h in ("task", "correction", "η", "seeds", "reward, last tenth", "greedy accuracy after", "|log w|"):
+        table.add_column(h, justify="left" if h in ("task", "correction") else "right")
+    for m in means:
+        table.add_row(
+            m["task"],
+            m["correction"],
+            str(m["eta"]),
+            str(m["seeds"]),
+            f"{m['reward_last']:.2f} ± {m['reward_last_sd']:.2f}",
+            f"{m['accuracy_end']:.0%} ± {m['accuracy_end_sd']:.0%}",
+            f"{m['abs_log_w']:.3f}",
+        )
+    console.print(table)
 
 
 def headline(rows: list[dict[str, Any]], max_eta: int) -> dict[str, float]:
-    """Per task: the spread of the last-tenth reward over the η = 0 runs (the corrections coincide
-    there, so it is run-to-run noise) and, per correction, its η = ``max_eta`` run's last-tenth
-    reward and greedy accuracy minus the mean of the η = 0 runs'."""
+    """Per task (means over seeds): the spread of the last-tenth reward over the η = 0 runs (the
+    corrections take the same update there, so it is rounding turned into run-to-run noise) and,
+    per correction, its η = ``max_eta`` last-tenth reward and greedy accuracy minus the η = 0 runs'."""
+    rows = over_seeds(rows)
     out: dict[str, float] = {}
     for task in dict.fromkeys(r["task"] for r in rows):
         base = [r for r in rows if r["task"] == task and r["eta"] == 0]
@@ -533,10 +582,11 @@ def headline(rows: list[dict[str, Any]], max_eta: int) -> dict[str, float]:
 
 
 def cached_run(
-    name: str, correction: str, eta: int, args: argparse.Namespace, warm: Path, work: Path
+    name: str, correction: str, eta: int, seed: int, args: argparse.Namespace, warm: Path, work: Path
 ) -> dict[str, Any]:
     """One run, or its result from ``work`` when this sweep finished it before (an interrupted sweep)."""
     task = TASKS[name]
+    args = argparse.Namespace(**{**vars(args), "seed": seed})
     key = f"{name}-{correction}-eta{eta}-lr{args.lr:g}-steps{args.steps}-{args.staleness}-seed{args.seed}"
     cached = work / "runs" / f"{key}{'-' + '_'.join(args.overrides) if args.overrides else ''}.json"
     if cached.exists() and not args.quick and not args.fresh:
@@ -545,8 +595,9 @@ def cached_run(
         r = run_one(task, correction, eta, args, warm)
         cached.parent.mkdir(parents=True, exist_ok=True)
         cached.write_text(json.dumps(r) + "\n")
+    r.setdefault("seed", seed)
     print(
-        f"{name} {correction} η={eta}: reward {r['reward_first']:.2f} -> {r['reward_last']:.2f}, "
+        f"{name} {correction} η={eta} seed {seed}: reward {r['reward_first']:.2f} -> {r['reward_last']:.2f}, "
         f"accuracy {r['accuracy_start']:.0%} -> {r['accuracy_end']:.0%} ({r['wall_s']:.0f}s)",
         flush=True,
     )
@@ -564,7 +615,9 @@ def parse_args() -> argparse.Namespace:
         "--lr", type=float, default=2e-4, help="learner learning rate (twice the quickstart's 1e-4: a stress)"
     )
     p.add_argument("--staleness", choices=["max", "uniform"], default="max", help="see the module docstring")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seeds", nargs="+", type=int, default=[0], help="RL seeds (sampling, prompt order): a run for each"
+    )
     p.add_argument(
         "--work", default=str(ROOT / "runs" / "offpolicy"), help="warm-started models and finished runs are kept here"
     )
@@ -575,6 +628,11 @@ def parse_args() -> argparse.Namespace:
         help="torch threads (1: on a shared 2-core machine, 2 threads spinning at OpenMP barriers ran 80x slower)",
     )
     p.add_argument("--jobs", type=int, default=2, help="runs at once (processes of --threads threads each)")
+    p.add_argument(
+        "--eta0-once",
+        action="store_true",
+        help="at η = 0 run the first correction only (the corrections take the same update on fresh batches)",
+    )
     p.add_argument("--fresh", action="store_true", help="run again what --work already holds a result of")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "offpolicy.json"))
     p.add_argument("--plot-only", action="store_true", help="redraw the figure and the table from --out, run nothing")
@@ -590,11 +648,13 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     work = Path(args.work)
     warm = {name: warm_start(TASKS[name], args, work) for name in args.tasks}
-    plan = [(name, c, eta) for name in args.tasks for eta in args.etas for c in args.corrections]
+    plan = [(n, c, eta, seed) for seed in args.seeds for n in args.tasks for eta in args.etas for c in args.corrections]
+    if args.eta0_once:
+        plan = [(n, c, eta, seed) for n, c, eta, seed in plan if eta > 0 or c == args.corrections[0]]
     with ProcessPoolExecutor(
         args.jobs, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads, initargs=(args.threads,)
     ) as pool:
-        futures = [pool.submit(cached_run, name, c, eta, args, warm[name], work) for name, c, eta in plan]
+        futures = [pool.submit(cached_run, n, c, eta, seed, args, warm[n], work) for n, c, eta, seed in plan]
         return [f.result() for f in futures]
 
 
@@ -615,7 +675,7 @@ def main() -> None:
     result = {
         "benchmark": "offpolicy",
         "headline": headline(rows, max(args.etas)),
-        "config": {k: v for k, v in vars(args).items() if k not in ("work", "out", "plot_only")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("work", "out", "plot_only", "fresh")},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": args.threads},
         "wall_s": time.perf_counter() - start,  # of this invocation (runs found in --work are not run again)
         "cpu_s": own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime,

@@ -33,6 +33,14 @@ class Member:
     workers: int
     version: int
     last_seen: float
+    joined: float = 0.0  # when its first SyncJoin (since it last left) arrived
+
+
+# A generator's SUB socket (re)subscribes when it (re)connects, at the same moment its DEALER
+# sends the SyncJoin; a WeightsReady published before the subscription reaches the PUB is lost
+# (a restarted learner's first sync would then wait out its deadline for nothing). A member takes
+# part in syncs only once it has been joined this long.
+JOIN_SETTLE_S = 1.0
 
 
 @dataclass
@@ -119,7 +127,8 @@ class WeightBroadcaster:
                         msg.version,
                         msg.workers,
                     )
-                self.members[msg.generator_id] = Member(msg.workers, msg.version, now)
+                old = self.members.get(msg.generator_id)
+                self.members[msg.generator_id] = Member(msg.workers, msg.version, now, old.joined if old else now)
             elif isinstance(msg, WeightsAck):
                 self._acks[msg.generator_id] = msg
                 member = self.members.get(msg.generator_id)
@@ -137,7 +146,7 @@ class WeightBroadcaster:
         for gen_id in [g for g, m in self.members.items() if now - m.last_seen > self.cfg.member_timeout_s]:
             log.warning("generator %s silent for %.0fs: leaves the weight sync", gen_id, self.cfg.member_timeout_s)
             del self.members[gen_id]
-        return dict(self.members)
+        return {g: m for g, m in self.members.items() if now - m.joined >= JOIN_SETTLE_S}
 
     def wait_for_members(self, n: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
