@@ -442,6 +442,7 @@ def summarise(task: Task, correction: str, eta: int, run: Run) -> dict[str, Any]
         "reward_first": mean("reward/mean", curve[:tenth]),
         "reward_last": mean("reward/mean", curve[-tenth:]),
         "reward_peak": max(smooth([m["reward/mean"] for m in curve], tenth), default=0.0),
+        "reward_mean": mean("reward/mean"),  # over every step: how fast it learns
         "accuracy_start": run.accuracy_start,
         "accuracy_end": run.accuracy_end,
         "w_trunc_mean": mean("w_trunc_mean", stale),
@@ -473,6 +474,7 @@ def over_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     curve, with the seeds' standard deviation of the last-tenth reward and final accuracy."""
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for r in rows:
+        r.setdefault("reward_mean", float(np.mean(r["reward_curve"])))  # results written before it was kept
         groups.setdefault((r["task"], r["correction"], r["eta"]), []).append(r)
     out = []
     for (task, correction, eta), runs in groups.items():
@@ -483,6 +485,7 @@ def over_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["w_max"] = max(r["w_max"] for r in runs)
         row["reward_curve"] = np.mean([r["reward_curve"] for r in runs], 0).tolist()
         row["reward_last_sd"] = float(np.std([r["reward_last"] for r in runs]))
+        row["reward_mean_sd"] = float(np.std([r["reward_mean"] for r in runs]))
         row["accuracy_end_sd"] = float(np.std([r["accuracy_end"] for r in runs]))
         out.append(row)
     return out
@@ -520,7 +523,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title="off-policy correction under staleness")
-    heads = ["task", "correction", "η", "seed", "reward first → last tenth (peak)", "greedy acc before → after"]
+    heads = ["task", "correction", "η", "seed", "reward first → last tenth (peak)", "mean reward"]
+    heads += ["greedy acc before → after"]
     heads += ["|log w|", "w mean (trunc.)", "w max", "w > cap", "clip frac", "wall s"]
     for h in heads:
         table.add_column(h, justify="left" if h in ("task", "correction") else "right")
@@ -531,6 +535,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             str(r["eta"]),
             str(r.get("seed", 0)),
             f"{r['reward_first']:.2f} → {r['reward_last']:.2f} ({r['reward_peak']:.2f})",
+            f"{np.mean(r['reward_curve']):.3f}",
             f"{r['accuracy_start']:.0%} → {r['accuracy_end']:.0%}",
             f"{r['abs_log_w']:.3f}",
             f"{r['w_trunc_mean']:.3f}",
@@ -545,7 +550,16 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     if all(m["seeds"] == 1 for m in means):
         return
     table = Table(title="mean ± standard deviation over seeds")
-    for h in ("task", "correction", "η", "seeds", "reward, last tenth", "greedy accuracy after", "|log w|"):
+    for h in (
+        "task",
+        "correction",
+        "η",
+        "seeds",
+        "reward, last tenth",
+        "mean reward",
+        "greedy accuracy after",
+        "|log w|",
+    ):
         table.add_column(h, justify="left" if h in ("task", "correction") else "right")
     for m in means:
         table.add_row(
@@ -554,6 +568,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             str(m["eta"]),
             str(m["seeds"]),
             f"{m['reward_last']:.2f} ± {m['reward_last_sd']:.2f}",
+            f"{m['reward_mean']:.3f} ± {m['reward_mean_sd']:.3f}",
             f"{m['accuracy_end']:.0%} ± {m['accuracy_end_sd']:.0%}",
             f"{m['abs_log_w']:.3f}",
         )
@@ -575,6 +590,9 @@ def headline(rows: list[dict[str, Any]], max_eta: int) -> dict[str, float]:
         for r in rows:
             if r["task"] == task and r["eta"] == max_eta:
                 out[f"{task}_{r['correction']}_reward_gap_eta{max_eta}"] = r["reward_last"] - float(np.mean(rewards))
+                out[f"{task}_{r['correction']}_mean_reward_gap_eta{max_eta}"] = r["reward_mean"] - float(
+                    np.mean([b["reward_mean"] for b in base])
+                )
                 out[f"{task}_{r['correction']}_accuracy_gap_eta{max_eta}"] = r["accuracy_end"] - float(
                     np.mean([b["accuracy_end"] for b in base])
                 )
@@ -635,7 +653,11 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--fresh", action="store_true", help="run again what --work already holds a result of")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "offpolicy.json"))
-    p.add_argument("--plot-only", action="store_true", help="redraw the figure and the table from --out, run nothing")
+    p.add_argument(
+        "--from-results",
+        action="store_true",
+        help="run nothing: recompute the headline, table and figure from the rows in --out (timings kept)",
+    )
     args, overrides = p.parse_known_args()
     args.overrides = overrides  # the rest: config flags (--async.groups_per_step 16)
     if args.quick:
@@ -661,10 +683,14 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main() -> None:
     args = parse_args()
     out = Path(args.out)
-    if args.plot_only:
+    if args.from_results:  # derived figures of an earlier sweep, recomputed by this code
         result = json.loads(out.read_text())
         rows = result["rows"]
+        for r in rows:
+            r.setdefault("seed", 0)
+        result["headline"] = headline(rows, max(r["eta"] for r in rows))
         print_table(rows)
+        out.write_text(json.dumps(result, indent=1) + "\n")
         names = list(dict.fromkeys(r["task"] for r in rows))
         plot(rows, [TASKS[n] for n in names], out.with_suffix(".png"), max(1, result["config"]["steps"] // 10))
         return
@@ -675,7 +701,7 @@ def main() -> None:
     result = {
         "benchmark": "offpolicy",
         "headline": headline(rows, max(args.etas)),
-        "config": {k: v for k, v in vars(args).items() if k not in ("work", "out", "plot_only", "fresh")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("work", "out", "from_results", "fresh")},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": args.threads},
         "wall_s": time.perf_counter() - start,  # of this invocation (runs found in --work are not run again)
         "cpu_s": own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime,

@@ -148,6 +148,16 @@ class WeightBroadcaster:
             del self.members[gen_id]
         return {g: m for g, m in self.members.items() if now - m.joined >= JOIN_SETTLE_S}
 
+    def _await_settling(self) -> None:
+        """Wait (at most JOIN_SETTLE_S) for members that joined moments ago rather than skip them:
+        one skipped at a restarted learner's first sync would wait for the next (at η = 0 the
+        learner may wait for that generator's batch first)."""
+        newest = max((m.joined for m in self.members.values()), default=0.0)
+        wait = newest + JOIN_SETTLE_S - time.monotonic()
+        if wait > 0:
+            time.sleep(min(wait, JOIN_SETTLE_S))
+            self.poll()
+
     def wait_for_members(self, n: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while len(self.live_members()) < n:
@@ -162,6 +172,7 @@ class WeightBroadcaster:
         """Broadcast ``named_tensors`` as ``version`` to every live member. Returns within the deadline."""
         started = time.perf_counter()
         self.poll()
+        self._await_settling()
         members = self.live_members()
         report = SyncReport(version=version)
         if not members:
