@@ -21,9 +21,15 @@ the same recipe with three addends ("What is 3 + 5 + 7? Answer:", sums to 27): 1
 prompts, 200 of them held out for the greedy evaluation and never trained on. Both are scored by
 the arithmetic verifier of the reward service (the first integer of the completion is the sum).
 
-    python bench/offpolicy.py                 # the full sweep (see the README for its wall time)
+    python bench/offpolicy.py                 # the sweep: 18 runs, 56 CPU-minutes (README: wall time)
     python bench/offpolicy.py --quick         # the code path: 2 steps per correction on add at η = 0 and 8
+    python bench/offpolicy.py --corrections decoupled none --etas 0 8 --seeds 0 1 2 --eta0-once \
+        --out bench/results/offpolicy_seeds.json   # the seed replicates of the README
     python bench/offpolicy.py --tasks add --corrections none --etas 8 --steps 50   # one run
+
+Finished runs are kept in ``--work`` (``runs/offpolicy``) and not run again: an interrupted sweep
+resumes where it stopped. One torch thread per run: on a shared 2-core machine two threads per
+process spinning at OpenMP barriers made the same work up to 80 times slower.
 """
 
 from __future__ import annotations
@@ -506,7 +512,9 @@ def plot(rows: list[dict[str, Any]], tasks: list[Task], path: Path, window: int)
                 smooth(r["reward_curve"], window),
                 color=COLOURS[r["correction"]],
                 ls=STYLES.get(r["eta"], "-."),
-                lw=1.6,
+                # wide and pale under the others: decoupled and tis coincide in this learner (README)
+                lw=3.2 if r["correction"] == "decoupled" else 1.4,
+                alpha=0.5 if r["correction"] == "decoupled" else 1.0,
                 label=f"{r['correction']}, η = {r['eta']}{seeds}",
             )
         ax.set(xlabel="learner step", ylabel=f"batch reward (moving mean, {window} steps)", title=task.title)
@@ -576,26 +584,28 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def headline(rows: list[dict[str, Any]], max_eta: int) -> dict[str, float]:
-    """Per task (means over seeds): the spread of the last-tenth reward over the η = 0 runs (the
-    corrections take the same update there, so it is rounding turned into run-to-run noise) and,
-    per correction, its η = ``max_eta`` last-tenth reward and greedy accuracy minus the η = 0 runs'."""
-    rows = over_seeds(rows)
+    """Per task: the spread (max - min) of the last-tenth reward over its η = 0 runs, every seed and
+    correction (the corrections take the same update there: the spread is run-to-run noise), and
+    per correction, its η = ``max_eta`` last-tenth and mean reward and final greedy accuracy minus
+    the η = 0 runs' (means over seeds)."""
+    means = over_seeds(rows)
     out: dict[str, float] = {}
     for task in dict.fromkeys(r["task"] for r in rows):
-        base = [r for r in rows if r["task"] == task and r["eta"] == 0]
+        base = [r for r in means if r["task"] == task and r["eta"] == 0]
         if not base:
             continue
-        rewards = [r["reward_last"] for r in base]
-        out[f"{task}_eta0_reward_last_spread"] = max(rewards) - min(rewards)
-        for r in rows:
+        spread = [r["reward_last"] for r in rows if r["task"] == task and r["eta"] == 0]
+        out[f"{task}_eta0_reward_last_spread"] = max(spread) - min(spread)
+        for r in means:
             if r["task"] == task and r["eta"] == max_eta:
-                out[f"{task}_{r['correction']}_reward_gap_eta{max_eta}"] = r["reward_last"] - float(np.mean(rewards))
-                out[f"{task}_{r['correction']}_mean_reward_gap_eta{max_eta}"] = r["reward_mean"] - float(
-                    np.mean([b["reward_mean"] for b in base])
-                )
-                out[f"{task}_{r['correction']}_accuracy_gap_eta{max_eta}"] = r["accuracy_end"] - float(
-                    np.mean([b["accuracy_end"] for b in base])
-                )
+                for key, name in (
+                    ("reward_last", "reward"),
+                    ("reward_mean", "mean_reward"),
+                    ("accuracy_end", "accuracy"),
+                ):
+                    out[f"{task}_{r['correction']}_{name}_gap_eta{max_eta}"] = r[key] - float(
+                        np.mean([b[key] for b in base])
+                    )
     return out
 
 

@@ -5,9 +5,11 @@ correction."""
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import math
 import sys
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -82,3 +84,42 @@ def test_fresh_batches_have_unit_behaviour_weights(
     for m in curve:
         assert m["abs_log_w"] < 1e-4
         assert m["offpolicy/behav_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_with_one_step_per_batch_decoupled_and_tis_take_the_same_step(
+    bench_and_warm: tuple[ModuleType, argparse.Namespace, Path],
+) -> None:
+    """What the README reports: the learner takes one optimizer step per batch, so decoupled's
+    proximal policy is the policy itself, its clip never binds and its update is tis's; none differs."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bench, args, warm = bench_and_warm
+    task = bench.TASKS["add"]
+    tok = AutoTokenizer.from_pretrained(warm)
+    behaviour = AutoModelForCausalLM.from_pretrained(warm)
+    current = AutoModelForCausalLM.from_pretrained(warm)
+    torch.manual_seed(0)
+    with torch.no_grad():  # the learner some versions ahead of the policy that sampled the batch
+        for p in current.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    cfg = bench.recipe(task, args, "decoupled", eta=4)
+    history = deque([(0, bench.snapshot(behaviour))])
+    batch = bench.stale_batch(history, behaviour, tok, task.train_rows(cfg)[:8], cfg, 4, lambda n: 0)
+    rewards = [s.reward for g in batch.groups for s in g.samples]
+    assert 0 < sum(rewards) < len(rewards), "a batch without advantages tests nothing"
+    grads, metrics = {}, {}
+    for correction in ("decoupled", "tis", "none"):
+        model = copy.deepcopy(current)
+        learner = bench.LocalLearner(bench.recipe(task, args, correction, eta=4), model)
+        learner.optimizer.step = lambda: None  # keep the step's gradient where it is
+        metrics[correction] = learner.train_step(batch)
+        grads[correction] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    def rel(a: str, b: str) -> float:
+        return float((grads[a] - grads[b]).norm() / grads[a].norm())
+
+    assert metrics["decoupled"]["policy/clip_frac"] == 0.0
+    assert metrics["none"]["policy/clip_frac"] > 0.0
+    assert rel("decoupled", "tis") < 1e-5
+    assert rel("decoupled", "none") > 1e-2
