@@ -135,7 +135,11 @@ def learn(
     waited = trained = 0.0
     staleness: dict[int, int] = {}
     start = fleet0 = hub_cpu0 = None
-    for version in range(args.warmup + args.steps):
+    # Sync steps all look alike (each waits for its batch's longest response), so fewer of them
+    # measure it; async ones need more: their buffer fills over tens of steps, and the learner's
+    # idle share is what is left of that transient.
+    steps = args.sync_steps if eta == 0 and args.sync_steps else args.steps
+    for version in range(args.warmup + steps):
         if version == args.warmup:
             start, fleet0 = time.monotonic(), fleet_totals(stats_files)
             hub_cpu0 = sum(hub_proc.cpu_times()[:2])
@@ -143,7 +147,7 @@ def learn(
         t = time.monotonic()
         batch = claims.claim(version)
         waited += time.monotonic() - t
-        if version + 1 < args.warmup + args.steps:
+        if version + 1 < args.warmup + steps:
             claims.claim_ahead(version + 1)  # as the learner does: loads while the step trains
         tokens = sum(len(s.tokens) for g in batch.groups for s in g.samples)
         t = time.monotonic()
@@ -160,9 +164,9 @@ def learn(
     fleet1 = fleet_totals(stats_files)
     window = fleet1["time"] - fleet0["time"]
     return {
-        "steps": args.steps,
+        "steps": steps,
         "wall_s": wall,
-        "step_s": wall / args.steps,
+        "step_s": wall / steps,
         "learner_idle_frac": waited / wall,
         # running sequences over the fleet's nominal slots (above 1: oversubscribed, slower steps)
         "fleet_occupancy": (fleet1["busy_seq_s"] - fleet0["busy_seq_s"]) / max(window * fleet_seqs, 1e-9),
@@ -255,6 +259,7 @@ def main() -> int:
     p.add_argument("--generators", type=int, nargs="+", default=[8, 32, 128, 512])
     p.add_argument("--etas", type=int, nargs="+", default=[0, 1, 4, 8])
     p.add_argument("--steps", type=int, default=12, help="learner steps measured per configuration")
+    p.add_argument("--sync-steps", type=int, default=0, help="steps measured at eta 0 (default: --steps)")
     p.add_argument("--warmup", type=int, default=3, help="learner steps before measuring (the pipeline fills)")
     p.add_argument("--fleet-seqs", type=int, default=1024, help="sequence slots of the whole fleet")
     p.add_argument("--max-tokens", type=int, default=160, help="response cap (10x the median)")

@@ -85,6 +85,7 @@ class Hub:
             top_k=cfg.rollout.top_k,
         )
         self.stats = HubStats()
+        self.stats.watch_gc()
         self.rejects = RejectLog(self.stats, self.hcfg.reject_log_interval_s)
         self.decoder = Decoder(ToHub, max_bytes=self.hcfg.max_message_bytes)
 
@@ -765,6 +766,7 @@ class Hub:
             "chunks_in": s.chunks_in,
             "tokens_in": s.tokens_in,
             "duplicate_chunks": s.duplicates,
+            "gc_collections": s.gc_collections,
             "samples_completed": s.samples_completed,
             "groups_ready": s.groups_ready,
             "scores_in": s.scores_in,
@@ -800,6 +802,8 @@ class Hub:
             "ingest_chunks_per_s": self.ingest_rates["chunks"],
             "turn_durable_ms_p50": s.durable_ms(50),
             "turn_durable_ms_p99": s.durable_ms(99),
+            "gc_pause_ms_p99": s.gc_pause_ms(99),
+            "gc_pause_ms_max": max(s.gc_pauses_s, default=0.0) * 1000,
             "data_exhausted": int(self.source.exhausted(self.epoch) and not self.requeued_prompts),
         }
         try:

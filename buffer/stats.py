@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import socket
 import threading
@@ -38,8 +39,27 @@ class HubStats:
     # seconds from the start of a turn that took chunks to its Redis write returning (recent turns)
     durable_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
 
+    # the cyclic garbage collector's pauses (recent ones): a pause stalls every turn behind it
+    gc_pauses_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    gc_collections: int = 0
+    _gc_started: float = 0.0
+
     def note_durable(self, seconds: float) -> None:
         self.durable_s.append(seconds)
+
+    def watch_gc(self) -> None:
+        """Time every collection of the cyclic GC (``gc.callbacks``)."""
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_collections += 1
+            self.gc_pauses_s.append(time.perf_counter() - self._gc_started)
+
+    def gc_pause_ms(self, q: float) -> float:
+        return float(np.percentile(np.asarray(self.gc_pauses_s), q) * 1000) if self.gc_pauses_s else 0.0
 
     def durable_ms(self, q: float) -> float:
         return float(np.percentile(np.asarray(self.durable_s), q) * 1000) if self.durable_s else 0.0

@@ -43,6 +43,7 @@ class Service:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("ab")
+        self._terminated = False
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
@@ -69,10 +70,17 @@ class Service:
         self._kill_group()
         self.proc.wait(timeout=10)
 
+    def terminate(self) -> None:
+        """SIGTERM without waiting: the service starts draining (``stop`` waits for it). Sent
+        once: a second SIGTERM would cut a service's drain short."""
+        if self.proc.poll() is None and not self._terminated:
+            self._terminated = True
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (the service drains and exits), then SIGKILL whatever of its group is left."""
+        self.terminate()
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout_s)
         self._kill_group()

@@ -92,7 +92,7 @@ def score_field(sample: int) -> bytes:
     return b"r:%d" % sample
 
 
-class GroupMeta(msgspec.Struct, kw_only=True):
+class GroupMeta(msgspec.Struct, kw_only=True, gc=False):
     """What the hub knows about a group when it issues it."""
 
     group_id: int
@@ -104,7 +104,7 @@ class GroupMeta(msgspec.Struct, kw_only=True):
     issued_at_version: int  # learner version when the group was issued
 
 
-class SampleDone(msgspec.Struct, kw_only=True):
+class SampleDone(msgspec.Struct, kw_only=True, gc=False):
     """Marks a sample complete. Its tokens stay in its chunk blobs: written once, never copied."""
 
     finish_reason: str
@@ -114,7 +114,7 @@ class SampleDone(msgspec.Struct, kw_only=True):
     version: int  # oldest token version
 
 
-class AssembledSample(msgspec.Struct, kw_only=True):
+class AssembledSample(msgspec.Struct, kw_only=True, gc=False):
     tokens: bytes  # packed int32
     logprobs: bytes  # packed float32
     versions: bytes  # packed int32
@@ -143,13 +143,13 @@ def chunks_by_sample(raw: dict[bytes, bytes]) -> dict[int, dict[int, Chunk]]:
     return out
 
 
-class StoredScore(msgspec.Struct, kw_only=True):
+class StoredScore(msgspec.Struct, kw_only=True, gc=False):
     reward: float
     breakdown: dict[str, float] = {}
     error: str | None = None
 
 
-class LeaseRecord(msgspec.Struct, kw_only=True):
+class LeaseRecord(msgspec.Struct, kw_only=True, gc=False):
     lease_id: int
     group_id: int
     generator_id: str | None  # None while waiting for a generator (re-issued)
@@ -158,7 +158,7 @@ class LeaseRecord(msgspec.Struct, kw_only=True):
     deadline: float
 
 
-class GeneratorRecord(msgspec.Struct, kw_only=True):
+class GeneratorRecord(msgspec.Struct, kw_only=True, gc=False):
     generator_id: str
     model: str
     capacity: int

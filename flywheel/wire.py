@@ -106,8 +106,12 @@ class Rejections:
             self._suppressed[reason] += 1
 
 
-class Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
-    """Base of every wire message. ``sv`` is the schema version of the sender."""
+class Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True, gc=False):
+    """Base of every wire message. ``sv`` is the schema version of the sender.
+
+    ``gc=False`` (here and on every struct of the wire and the store): messages are trees of
+    bytes, numbers and lists, never cycles, so the cyclic GC need not track them; a hub holding
+    the chunks of thousands of open samples then pays no collector pauses for them."""
 
     sv: int = SCHEMA_VERSION
 
@@ -238,7 +242,7 @@ class Release(Message, tag=True):
 # --------------------------------------------------------------------------- hub → generator
 
 
-class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=False):
     """Sampling settings a lease carries (a subset of vLLM's SamplingParams)."""
 
     max_tokens: int = 256
@@ -281,7 +285,7 @@ class Lease(Message, tag=True):
         _require(math.isfinite(self.deadline), "deadline", "must be a finite unix time")
 
 
-class ChunkRejection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class ChunkRejection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=False):
     group_id: int
     sample: int
     seq: int
@@ -359,7 +363,7 @@ class Score(Message, tag=True):
 # --------------------------------------------------------------------------- learner → generators
 
 
-class BucketLayout(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class BucketLayout(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=False):
     """One flat bucket of parameters: tensors are laid end to end in this order."""
 
     names: list[str]

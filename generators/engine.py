@@ -29,7 +29,7 @@ def build_engine(cfg: GeneratorConfig) -> Any:
         model=cfg.model,
         tensor_parallel_size=cfg.tensor_parallel_size,
         dtype=dtype,
-        max_model_len=cfg.max_model_len,  # type: ignore[arg-type]  # None: the model's own
+        max_model_len=cfg.max_model_len,  # None: the model's own
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         enforce_eager=cfg.enforce_eager,
         max_num_seqs=cfg.max_num_seqs,

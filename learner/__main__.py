@@ -27,12 +27,36 @@ def _single_process_env() -> None:
     )
 
 
+STALE_BUILD_LOCK_S = 900  # no op build takes this long; a lock this old was left by a killed build
+
+
+def _prepare_op_builds() -> None:
+    """DeepSpeed builds its ops (on CPU: the shared-memory collective) with torch's JIT
+    extensions, under a lock file. Each Python environment gets its own build directory, so two
+    virtualenvs do not rebuild over each other; a lock left by a build that was killed would make
+    every later start wait for it forever, so an old one is removed, loudly."""
+    import hashlib
+    import time
+    from pathlib import Path
+
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        env_id = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(Path.home() / ".cache" / "flywheel" / "torch_extensions" / env_id)
+    for lock in Path(os.environ["TORCH_EXTENSIONS_DIR"]).glob("*/lock"):
+        age = time.time() - lock.stat().st_mtime
+        if age > STALE_BUILD_LOCK_S:
+            log.warning("removing %s, left %.0f s ago by an op build that did not finish", lock, age)
+            lock.unlink(missing_ok=True)
+
+
 def train(cfg: FlywheelConfig) -> int:
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     _single_process_env()
+    _prepare_op_builds()
+    log.info("starting DeepSpeed (a first start in this environment builds its CPU ops: a minute or two)")
     import deepspeed
 
     from learner.trainer import Trainer, dist_env

@@ -172,11 +172,39 @@ class Cluster:
         return out
 
     def stop(self) -> None:
+        """SIGTERM the hub's peers at once (each drains into the still-running hub), wait for
+        them, then stop the hubs: teardown takes the slowest drain, not the sum of them."""
+        peers = [svc for svc in self.services if not svc.name.startswith("hub")]
+        for svc in peers:
+            svc.terminate()
         for svc in reversed(self.services):
             svc.stop()
 
     def logs(self) -> str:
         return "\n".join(f"--- {s.name}\n{s.tail(40)}" for s in self.services)
+
+
+# Tests that keep both cores busy for a minute or more (vLLM-CPU engines, DeepSpeed, the whole
+# loop, hundreds of simulated generators): with ``-n 2 --dist loadgroup`` they run one at a time
+# on one worker while the short tests run on the other. Two of them at once would only slow
+# both, and their deadlines are sized for one.
+HEAVY_MODULES = {
+    "tests/chaos/test_chaos.py",
+    "tests/e2e/test_run.py",
+    "tests/integration/test_deadlines.py",
+    "tests/integration/test_fleet_sim.py",
+    "tests/integration/test_generator.py",
+    "tests/integration/test_learner.py",
+    "tests/integration/test_load.py",
+    "tests/integration/test_offpolicy.py",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.split("::", 1)[0] in HEAVY_MODULES:
+            item.add_marker(pytest.mark.xdist_group("heavy"))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
