@@ -143,6 +143,7 @@ def learn(
         if version == args.warmup:
             start, fleet0 = time.monotonic(), fleet_totals(stats_files)
             hub_cpu0 = sum(hub_proc.cpu_times()[:2])
+            dropped0 = client.counters().get("groups_dropped", 0)
             waited = trained = 0.0
         t = time.monotonic()
         batch = claims.claim(version)
@@ -161,6 +162,7 @@ def learn(
     claims.close()
     assert start is not None and fleet0 is not None and hub_cpu0 is not None
     wall = time.monotonic() - start
+    dropped = client.counters().get("groups_dropped", 0) - dropped0
     fleet1 = fleet_totals(stats_files)
     window = fleet1["time"] - fleet0["time"]
     return {
@@ -174,6 +176,9 @@ def learn(
         "hub_cpu_frac": (sum(hub_proc.cpu_times()[:2]) - hub_cpu0) / wall,
         "staleness_histogram": dict(sorted(staleness.items())),
         "resent_chunks": fleet1["resent"],
+        # groups generated and then found too stale to train on: fleet work lost to the bound
+        "groups_dropped": dropped,
+        "dropped_frac": dropped / max(dropped + steps * groups_per_step, 1),
     }
 
 
@@ -184,7 +189,7 @@ def sim_part(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     print("simulated fleet (sync = the same system at eta 0)")
     print(
-        f"{'gens':>5} {'eta':>3} {'s/step':>7} {'speedup':>7} {'learner idle':>12} {'occupancy':>10} {'tok/s':>8} {'hub cpu':>7}  staleness"
+        f"{'gens':>5} {'eta':>3} {'s/step':>7} {'speedup':>7} {'learner idle':>12} {'occupancy':>10} {'tok/s':>8} {'hub cpu':>7} {'dropped':>7}  staleness"
     )
     for gens in args.generators:
         sync_step = None
@@ -197,7 +202,8 @@ def sim_part(args: argparse.Namespace) -> dict[str, Any]:
             speed = f"{row['speedup_vs_sync']:.2f}x" if eta and row["speedup_vs_sync"] else "-"
             print(
                 f"{gens:>5} {eta:>3} {row['step_s']:>7.3f} {speed:>7} {row['learner_idle_frac']:>12.1%} "
-                f"{row['fleet_occupancy']:>10.1%} {row['fleet_tokens_per_s']:>8.0f} {row['hub_cpu_frac']:>7.0%}  "
+                f"{row['fleet_occupancy']:>10.1%} {row['fleet_tokens_per_s']:>8.0f} {row['hub_cpu_frac']:>7.0%} "
+                f"{row['dropped_frac']:>7.1%}  "
                 f"{row['staleness_histogram']}",
                 flush=True,
             )
