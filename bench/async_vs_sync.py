@@ -83,6 +83,7 @@ def run_config(work: Path, args: argparse.Namespace, generators: int, eta: int) 
         "--async.max_staleness", str(eta),
         "--async.groups_per_step", str(groups_per_step),
         "--hub.stats_interval_s", "5",
+        "--async.revoke_stale", str(not args.keep_stale).lower(),
     ]  # fmt: skip
     services: list[Service] = []
     try:
@@ -274,6 +275,9 @@ def main() -> int:
     p.add_argument("--oversubscribe", type=float, default=2.0, help="sequences leased per engine slot")
     p.add_argument("--update-s", type=float, default=0.02, help="a generator's weight-update pause")
     p.add_argument("--sync-s", type=float, default=0.01, help="the learner's weight broadcast")
+    p.add_argument(
+        "--keep-stale", action="store_true", help="async.revoke_stale false: groups too stale finish generating"
+    )
     p.add_argument("--fleet-procs", type=int, default=4, help="processes hosting the simulated engines")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "async_vs_sync.json"))
     args = p.parse_args()

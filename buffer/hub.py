@@ -130,6 +130,11 @@ class Hub:
         self._turn_items = 0
         self._refreshed = 0.0
         self._last_reap = 0.0
+        self._doom_floor = 0  # the oldest version a group may hold, when groups were last checked
+        # leases revoked with their doomed group, and those groups: what their generators and
+        # reward workers still send for them is expected, counted quietly and not stored
+        self._revoked_leases: set[int] = set()
+        self._dropped_groups: set[int] = set()
         self._rates = RateMeter()
         self.ingest_rates = {"tokens": 0.0, "chunks": 0.0}  # per second, over the last stats interval
         self._last_stats = time.monotonic()
@@ -366,6 +371,9 @@ class Hub:
         stats = self.stats
         for c in chunks:
             lease = leases.get(c.lease_id)
+            if lease is None and c.lease_id in self._revoked_leases:
+                self._reject_chunk(identity, c, "revoked_lease", quiet=True)
+                continue
             if lease is None or lease.record.group_id != c.group_id or c.sample not in lease.record.samples:
                 self._reject_chunk(identity, c, "unknown_lease")
                 continue
@@ -391,6 +399,7 @@ class Hub:
                     self._reject_chunk(identity, c, reason)
                     continue
             sample.chunks[seq] = c
+            sample.note_chunk_version(c.versions)
             if not sample.pending:
                 dirty.append((c.group_id, c.sample, sample))
             sample.pending.append(c)
@@ -415,10 +424,13 @@ class Hub:
             return "seq_after_final"
         return None
 
-    def _reject_chunk(self, identity: bytes, c: Chunk, reason: str) -> None:
-        self.rejects.reject(
-            reason, f"chunk (group {c.group_id}, sample {c.sample}, seq {c.seq}, lease {c.lease_id})", identity
-        )
+    def _reject_chunk(self, identity: bytes, c: Chunk, reason: str, quiet: bool = False) -> None:
+        if quiet:  # expected (a revoked lease's last chunks): counted, not logged
+            self.stats.rejected[reason] += 1
+        else:
+            self.rejects.reject(
+                reason, f"chunk (group {c.group_id}, sample {c.sample}, seq {c.seq}, lease {c.lease_id})", identity
+            )
         self._rejections[identity].append(
             ChunkRejection(group_id=c.group_id, sample=c.sample, seq=c.seq, reason=reason)
         )
@@ -464,6 +476,9 @@ class Hub:
             worker.inflight.discard(key)
             worker.last_seen = time.monotonic()
         group = self.groups.get(msg.group_id)
+        if group is None and msg.group_id in self._dropped_groups:
+            self.stats.rejected["score_for_dropped_group"] += 1  # expected: scored while it was dropped
+            return
         if sent is None or group is None or group.samples[msg.sample].score is not None:
             self.rejects.reject(
                 "unexpected_score",
@@ -569,6 +584,8 @@ class Hub:
         if now - self._last_reap > REFRESH_S:
             self._last_reap = now
             self._reap_dropped()
+        if self.cfg.async_.revoke_stale:
+            self._drop_doomed()
         self._expire(now)
         self._expire_scores(now)
         if now - self._last_stats >= self.hcfg.stats_interval_s:
@@ -600,6 +617,57 @@ class Hub:
                 self._pipe.rpush(self.keys.requeue, index)
             self._pipe.unlink(self.keys.group(int(gid)))
         log.info("%d groups dropped as too stale (requeue=%s)", len(gids), self.cfg.async_.requeue_stale)
+
+    def _drop_doomed(self) -> None:
+        """Drop every group still generating that already holds a token older than v - η: the
+        learner could only ever drop it at its claim, after the generators had finished it. Its
+        leases are revoked at once and the staleness bound admits a fresh group in its place."""
+        floor = self.policy.min_version(self.learner_version)
+        if floor <= self._doom_floor:  # checked at each version the learner reaches, once
+            return
+        self._doom_floor = floor
+        doomed = [
+            g
+            for g in self.groups.values()
+            if g.state is GroupState.GENERATING and (oldest := g.oldest_seen()) is not None and oldest < floor
+        ]
+        for group in doomed:
+            self._drop_generating_group(group)
+        if doomed:
+            log.info("%d groups dropped while generating: older than v%d - η (leases revoked)", len(doomed), floor)
+
+    def _drop_generating_group(self, group: OpenGroup) -> None:
+        gid = group.meta.group_id
+        for lease_id in {s.lease_id for s in group.samples if s.done is None}:
+            lease = self.leases.pop(lease_id, None)
+            if lease is None:
+                continue
+            self._pipe.hdel(self.keys.leases, lease_id)
+            self._revoked_leases.add(lease_id)
+            gen = self.generators.get(lease.record.generator_id or "")
+            if gen is not None:
+                gen.leases.discard(lease_id)
+                self._after_flush(self.gen_sock, gen.identity, Revoke(lease_ids=[lease_id]))
+        for index in range(len(group.samples)):  # samples at the reward service: their credit frees
+            sent = self.score_sent.pop((gid, index), None)
+            worker = self.reward_workers.get(sent[0]) if sent is not None else None
+            if worker is not None:
+                worker.inflight.discard((gid, index))
+        group.move(GroupState.DROPPED)
+        del self.groups[gid]
+        self._dropped_groups.add(gid)
+        self._pipe.unlink(self.keys.group(gid))
+        self._pipe.srem(self.keys.open, gid)
+        self._pipe.hincrby(self.keys.counters, "groups_dropped", 1)  # frees its slot under the bound
+        self._pipe.hincrby(self.keys.counters, "groups_dropped_generating", 1)
+        self.groups_dropped += 1
+        self.stats.groups_dropped_generating += 1
+        if self.cfg.async_.requeue_stale:
+            self.requeued_prompts.append(group.meta.prompt_index)
+            self._pipe.rpush(self.keys.requeue, group.meta.prompt_index)
+        if len(self._dropped_groups) > 100_000:  # bounded memory: late messages for these are long gone
+            self._dropped_groups.clear()
+            self._revoked_leases.clear()
 
     def _expire(self, now: float) -> None:
         for gen_id, gen in list(self.generators.items()):
@@ -766,6 +834,7 @@ class Hub:
             "chunks_in": s.chunks_in,
             "tokens_in": s.tokens_in,
             "duplicate_chunks": s.duplicates,
+            "groups_dropped_generating": s.groups_dropped_generating,
             "gc_collections": s.gc_collections,
             "samples_completed": s.samples_completed,
             "groups_ready": s.groups_ready,

@@ -21,6 +21,15 @@ class SampleAssembly:
     done: SampleDone | None = None  # set once every chunk up to the final one is in
     response: bytes | None = None  # packed tokens, kept only until the sample is scored
     score: StoredScore | None = None
+    oldest: int | None = None  # oldest token version among the chunks accepted so far
+
+    def note_chunk_version(self, versions: bytes) -> None:
+        """A chunk's first token is its oldest (versions never decrease inside a sample; were they
+        to, ``oldest`` would only be newer than the truth, and a group found too old still is)."""
+        if len(versions) >= 4:
+            v = int.from_bytes(versions[:4], "little", signed=True)
+            if self.oldest is None or v < self.oldest:
+                self.oldest = v
 
     @property
     def version(self) -> int:
@@ -52,6 +61,7 @@ class SampleAssembly:
         """Drop partial chunks (re-issued to a new lease); return the Redis fields to delete."""
         blobs = self.blobs
         self.lease_id, self.chunks, self.final_seq, self.pending, self.blobs = lease_id, {}, None, [], []
+        self.oldest = None
         return blobs
 
 
@@ -72,6 +82,11 @@ class OpenGroup:
 
     def all_done(self) -> bool:
         return all(s.done is not None for s in self.samples)
+
+    def oldest_seen(self) -> int | None:
+        """A lower bound on the version the group will have: the oldest token it holds so far."""
+        seen = [s.oldest for s in self.samples if s.oldest is not None]
+        return min(seen) if seen else None
 
     def all_scored(self) -> bool:
         return all(s.score is not None for s in self.samples)

@@ -146,6 +146,12 @@ class AsyncConfig(_Section):
     requeue_stale: bool = Field(
         True, description="Re-queue the prompts of groups dropped as too stale (otherwise they are skipped)."
     )
+    revoke_stale: bool = Field(
+        True,
+        description="Drop a group the moment its oldest token is more than η versions behind the learner, "
+        "revoking the leases still generating it (it could only ever be dropped at consumption): generators "
+        "stop spending time on it and the staleness bound admits a fresh group in its place.",
+    )
     sync_every: int = Field(
         1, ge=1, le=1 << 20, description="The learner broadcasts new weights to the generators every this many steps."
     )

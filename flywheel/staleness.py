@@ -14,7 +14,9 @@ Lifecycle of a prompt group (the unit the learner consumes):
 - SCORED / READY: every sample has a score; the group sits in the ready queue with its
   version (the oldest version among all its tokens).
 - CONSUMED: claimed by a learner at version v with v - version <= η (exactly once).
-- DROPPED: found with v - version > η when claimed; it no longer counts as issued.
+- DROPPED: found with v - version > η when claimed; it no longer counts as issued. The hub
+  also drops a group still GENERATING once a token it already holds is older than v - η
+  (``async.revoke_stale``): it could never be claimed, so its leases are revoked at once.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class GroupState(enum.Enum):
 
 _NEXT: dict[GroupState, frozenset[GroupState]] = {
     GroupState.ISSUED: frozenset({GroupState.GENERATING}),
-    GroupState.GENERATING: frozenset({GroupState.GENERATING, GroupState.COMPLETE}),
+    GroupState.GENERATING: frozenset({GroupState.GENERATING, GroupState.COMPLETE, GroupState.DROPPED}),
     GroupState.COMPLETE: frozenset({GroupState.SCORED}),
     GroupState.SCORED: frozenset({GroupState.READY, GroupState.DROPPED}),  # dropped: a failed reward
     GroupState.READY: frozenset({GroupState.CONSUMED, GroupState.DROPPED}),

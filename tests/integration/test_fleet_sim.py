@@ -27,7 +27,7 @@ def test_async_beats_sync_on_a_long_tailed_fleet(tmp_path: Path) -> None:
     bench = _bench()
     args = argparse.Namespace(
         steps=6, sync_steps=0, warmup=2, fleet_seqs=64, max_tokens=160, t0=0.01, learner_speed=1.0, update_s=0.02,
-        sync_s=0.01, fleet_procs=2, oversubscribe=2.0,
+        sync_s=0.01, fleet_procs=2, oversubscribe=2.0, keep_stale=False,
         tokenizer=build_tokenizer(tmp_path / "tok"), data=write_arithmetic_jsonl(tmp_path / "p.jsonl", 500),
     )  # fmt: skip
     sync = bench.run_config(tmp_path, args, 4, 0)

@@ -10,6 +10,8 @@ from flywheel.hub_client import BatchClient, ClaimsAhead
 from flywheel.staleness import StalenessPolicy
 from flywheel.store import META, GroupMeta, unpack
 from tests.conftest import Cluster, wait_until
+from tests.integration.handgen import HandGenerator, make_chunk
+from tests.integration.test_hub_protocol import pump_until, rejected
 
 GPS = 2  # groups per step
 
@@ -119,3 +121,43 @@ def test_too_stale_groups_are_dropped_and_requeued(cluster: Cluster, requeue: bo
     else:
         time.sleep(1.0)  # many reap periods
         assert not set(prompts) & requeued(), (prompts, sorted(requeued()))
+
+
+@pytest.mark.parametrize("revoke", [True, False])
+def test_a_group_too_stale_while_generating_is_dropped_and_its_lease_revoked(cluster: Cluster, revoke: bool) -> None:
+    """η = 1: a group holding a v0 token can never be trained on once the learner is at v2. With
+    async.revoke_stale the hub drops it then, revokes its lease, refuses (quietly) what the
+    generator still sends for it, and leases its prompt again; without, it generates on."""
+    cluster.start_hub(
+        "--async.max_staleness", "1",
+        "--async.groups_per_step", "1",
+        "--data.n_samples_per_prompt", "2",
+        "--data.shuffle", "false",
+        "--async.revoke_stale", str(revoke).lower(),
+    )  # fmt: skip
+    gen = HandGenerator(cluster.gen_address, "hand")
+    gen.register(version=0)
+    lease = gen.wait_lease()
+    gen.send(make_chunk(lease, 0, 0, version=0, final=False))
+    pump_until(gen, lambda: gen.acked == 1, "the first chunk acknowledged")
+    client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(1, 1))
+    client.set_version(2)  # oldest usable version: 1
+    if not revoke:
+        gen.pump(1.0)  # many housekeeping periods
+        assert lease.lease_id not in gen.revoked
+        assert client.counters().get("groups_dropped", 0) == 0
+        return
+    pump_until(gen, lambda: lease.lease_id in gen.revoked, "the doomed group's lease revoked")
+    counters = client.counters()
+    assert counters["groups_dropped"] == 1 and counters["groups_dropped_generating"] == 1, counters
+    assert not client.redis.exists(client.keys.group(lease.group_id))
+    assert not client.redis.sismember(client.keys.open, lease.group_id)
+    # what the generator still sends for it is refused without being stored (nor logged)
+    gen.send(make_chunk(lease, 1, 0, version=0, final=True))
+    pump_until(gen, lambda: gen.rejected == 1, "the revoked lease's chunk refused")
+    assert rejected(cluster, "revoked_lease") == 1
+    assert "rejected revoked_lease" not in cluster.hub.log_path.read_text()  # type: ignore[union-attr]
+    # with weights the bound accepts, the generator gets the same prompt again, as a new group
+    gen.link.set_weight_version(2)
+    again = gen.wait_lease()
+    assert again.group_id != lease.group_id and again.prompt_tokens == lease.prompt_tokens

@@ -41,6 +41,7 @@ def test_lifecycle() -> None:
     ):
         s = advance(s, nxt)
     assert advance(GroupState.READY, GroupState.DROPPED) is GroupState.DROPPED
+    assert advance(GroupState.GENERATING, GroupState.DROPPED) is GroupState.DROPPED  # async.revoke_stale
     with pytest.raises(AssertionError, match="illegal group transition"):
         advance(GroupState.ISSUED, GroupState.READY)
     with pytest.raises(AssertionError):
