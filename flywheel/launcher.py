@@ -43,7 +43,7 @@ from flywheel.autoscale import Autoscaler, CommandBackend, ServiceBackend
 from flywheel.config import FlywheelConfig
 from flywheel.hub_client import hub_metrics
 from flywheel.netsec import check_keys, create_keys, redis_password
-from flywheel.procs import Service, ServiceHandle, wait_for_state_file
+from flywheel.procs import Service, ServiceHandle, parse_cpu_list, wait_for_state_file
 from flywheel.redis_server import RedisServer, free_port
 from flywheel.tasks import arithmetic_rows, write_jsonl
 
@@ -145,6 +145,12 @@ class LocalLaunch:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the run as Ctrl-C does
         try:
+            for key in self.cfg.launch.cpus:
+                self._cpus(key)
+        except ValueError as err:
+            self.console.print(f"[bold red]flywheel run: {err}")
+            return 2
+        try:
             self._prepare()
             self._start_services()
             self._watch()
@@ -175,7 +181,27 @@ class LocalLaunch:
         self.redis = RedisServer(
             self.run_dir / "redis", appendfsync=self.cfg.redis.appendfsync, password=password, username=user
         )
+        self._pin_redis()
         return self.redis.url
+
+    def _cpus(self, name: str) -> set[int] | None:
+        """The CPUs ``launch.cpus`` pins service ``name`` to (generatorN falls back to generator)."""
+        table = self.cfg.launch.cpus
+        key = name if name in table else "generator" if name.startswith("generator") else None
+        if key not in table:
+            return None
+        cpus = parse_cpu_list(table[key])
+        if not cpus <= os.sched_getaffinity(0):
+            raise ValueError(
+                f"launch.cpus.{key}: CPUs {sorted(cpus - os.sched_getaffinity(0))} are not available here "
+                f"(this launcher may use {sorted(os.sched_getaffinity(0))})"
+            )
+        return cpus
+
+    def _pin_redis(self) -> None:
+        cpus = self._cpus("redis")
+        if cpus is not None and self.redis is not None:
+            os.sched_setaffinity(self.redis.proc.pid, cpus)
 
     def _redis_died(self) -> int | None:
         """Redis's exit code once it died (None while it runs, or when this launcher has none)."""
@@ -189,12 +215,15 @@ class LocalLaunch:
         self.redis = RedisServer(
             old.dir, port=old.port, appendfsync=self.cfg.redis.appendfsync, password=old.password, username=old.username
         )
+        self._pin_redis()
 
     def _service(self, name: str, module: str, *args: str, env: dict[str, str] | None = None) -> ServiceHandle:
         """Start ``python -m module args`` as the service ``name``; returns a handle with name,
         alive(), returncode, stop(), tail() and log_path (``procs.Service``)."""
         gpu = {"CUDA_VISIBLE_DEVICES": self.gpu_plan[name]} if name in self.gpu_plan else {}
-        svc = Service(name, module, list(args), self.logs, env={**self._env(), **gpu, **(env or {})})
+        svc = Service(
+            name, module, list(args), self.logs, env={**self._env(), **gpu, **(env or {})}, cpus=self._cpus(name)
+        )
         self.services.append(svc)
         self._started(name, module, list(args), env)
         return svc

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -38,7 +39,13 @@ class Service:
     """One child process (``python -m module args``) with its log file."""
 
     def __init__(
-        self, name: str, module: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        cpus: set[int] | None = None,
     ) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
@@ -51,7 +58,7 @@ class Service:
             stderr=subprocess.STDOUT,
             env=full_env,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_die_with_parent if cpus is None else partial(_pinned_child, frozenset(cpus)),
         )
 
     @property
@@ -104,6 +111,28 @@ def _die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _pinned_child(cpus: frozenset[int]) -> None:
+    """``_die_with_parent``, and the child (with every thread and process it starts) runs on
+    ``cpus`` only. Set before exec, so even a library that sizes its thread pools at import (torch,
+    vLLM's OpenMP binding) sees the pinned set."""
+    _die_with_parent()
+    os.sched_setaffinity(0, cpus)
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """``"0-3,6"`` -> {0, 1, 2, 3, 6} (the notation of taskset and /proc/cpuinfo)."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"{text!r} is not a CPU list; write e.g. 0-3,6")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"{text!r}: the range {part} runs backwards")
+        cpus.update(range(first, last + 1))
+    return cpus
 
 
 def wait_for_state_file(path: Path, service: ServiceHandle, timeout_s: float = 60.0) -> dict[str, int]:

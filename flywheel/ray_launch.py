@@ -107,6 +107,10 @@ class RayLaunch(LocalLaunch):
     def __init__(self, cfg: FlywheelConfig) -> None:
         super().__init__(cfg)
         la = cfg.launch
+        if la.cpus:  # services run on Ray's nodes, where this machine's CPU numbers mean nothing
+            self.console.print(
+                "[yellow]launch.cpus applies to the local launcher; Ray places by launch.cpus_per_service"
+            )
         self._own_ray = not ray.is_initialized() and la.ray_address is None
         if not ray.is_initialized():
             env = {"env_vars": {**self._env(), "TOKENIZERS_PARALLELISM": "false"}}

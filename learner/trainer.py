@@ -327,7 +327,9 @@ class Trainer:
         staged = [stage(mb, self.device) for mb in mbs]
         resp_mask = pad_rows([np.ones(len(s.response)) for s in seqs])
         width = resp_mask.shape[1]
-        prox = self._logprobs_no_grad(self.engine, seqs, mbs, staged, width) if self._needs_prox() else None
+        # the proximal log-probabilities need a forward of their own only when the advantage needs
+        # them (KL in the reward); for the loss, each micro-batch's own forward gives them (below)
+        prox = self._logprobs_no_grad(self.engine, seqs, mbs, staged, width) if self._prox_before_step() else None
         ref = self._logprobs_no_grad(self.ref, seqs, mbs, staged, width) if self.ref is not None else None
         old_values = self._values(seqs, mbs, resp_mask.shape[1]) if self.critic is not None else None
         kl_in_reward = ref if (ref is not None and self.cfg.algo.kl.in_reward) else None
@@ -349,7 +351,6 @@ class Trainer:
         if self.critic is not None:
             assert old_values is not None and returns is not None
             self._fit_critic(mbs, weights, old_values, returns, resp_mask, stats, apply)
-        behav = pad_rows([s.behav_logprobs for s in seqs])
         stats.metrics.update(
             {
                 "reward/mean": float(rewards_GN.mean()),
@@ -365,8 +366,6 @@ class Trainer:
                 "lr": float(self.engine.get_lr()[0]),
             }
         )
-        if prox is not None:
-            stats.metrics["offpolicy/prox_minus_behav"] = float(algos.masked_mean(prox - behav, resp_mask))
         return stats
 
     def _agree_max(self, value: int) -> int:
@@ -420,10 +419,15 @@ class Trainer:
         stats.metrics["critic/value_mean"] = float(algos.masked_mean(old_values, resp_mask))
         stats.metrics["critic/return_mse"] = err / step_tokens
 
-    def _needs_prox(self) -> bool:
-        return self.cfg.algo.off_policy.correction == "decoupled" or (
-            self.ref is not None and self.cfg.algo.kl.in_reward
-        )
+    def _prox_before_step(self) -> bool:
+        """Whether the proximal log-probabilities are computed by a separate forward before the step.
+
+        A step is one optimizer update (its micro-batches accumulate), so the proximal policy (the
+        weights at the start of the step) is the very policy each micro-batch's forward runs: the
+        loss takes its log-probabilities, detached, as the proximal ones. That saves a forward per
+        step (a quarter of the learner's compute). Only KL in the reward needs them earlier, for
+        the advantages."""
+        return self.ref is not None and self.cfg.algo.kl.in_reward
 
     def _forward(self, model: Any, mb: MicroBatch) -> torch.Tensor:
         packed = packed_lengths(mb)
@@ -534,7 +538,8 @@ class Trainer:
                 self.engine.step()
             tokens += n
             terms = {"loss": loss.detach()}
-            terms.update({key: m[key] * n for key in ("entropy", "kl", "clip_frac", "ratio_mean", "behav_weight_mean")})
+            means = ("entropy", "kl", "clip_frac", "ratio_mean", "behav_weight_mean", "prox_minus_behav")
+            terms.update({key: m[key] * n for key in means if key in m})
             for key, v in terms.items():
                 sums[key] = sums[key] + v if key in sums else v
             top = m["behav_weight_max"]
@@ -583,7 +588,12 @@ class Trainer:
         lp, ent_rows, mask = scatter_rows(lp_N, smb), scatter_rows(ent_N, smb), smb.mask
         behav, a, ref = inp["behav"], inp["adv"], inp["ref"]
         assert behav is not None and a is not None
-        loss, m = algos.policy_loss_terms(lp, inp["prox"], behav, a, mask, self.loss_cfg)
+        prox = inp["prox"]
+        if prox is None and algo.off_policy.correction == "decoupled":
+            prox = lp.detach()  # one update per step: this forward's weights are the proximal policy
+        loss, m = algos.policy_loss_terms(lp, prox, behav, a, mask, self.loss_cfg)
+        if prox is not None:
+            m["prox_minus_behav"] = algos.masked_mean(prox - behav, mask)
         m["kl"] = mask.new_zeros(())
         if ref is not None and not algo.kl.in_reward:
             kl = algos.kl_estimate(lp, ref, algo.kl.estimator)
@@ -611,6 +621,8 @@ class Trainer:
         )
         if with_kl:
             stats.metrics["policy/kl"] = sums["kl"] / n
+        if "prox_minus_behav" in sums:
+            stats.metrics["offpolicy/prox_minus_behav"] = sums["prox_minus_behav"] / n
 
     def _share(self, mb: MicroBatch, mask: torch.Tensor, step_tokens: float, step_seqs: int, step_width: int) -> float:
         """Scale a micro-batch's loss so the step's loss is the aggregation over the whole batch."""

@@ -1,5 +1,6 @@
 """Run by test_learner: train two steps on real hub batches, checkpoint, then compare a learner
-that goes on with one resumed from the checkpoint on the same next batches. Prints JSON.
+that goes on with one resumed from the checkpoint on the same next batches, and with one that
+computes the proximal log-probabilities by a forward of their own. Prints JSON.
 
     python -m tests.integration.resume_check MODEL REDIS_URL CHECKPOINT_DIR
 """
@@ -49,12 +50,22 @@ def main() -> None:
     second.train_step(next_batch)
     loss_after_b = second.loss_on(following)
     second.close()
+
+    # the same step with the proximal log-probabilities from a forward of their own before it (as
+    # KL-in-reward runs need) instead of from each micro-batch's forward: the same update
+    third = Trainer(cfg, 0, 1)
+    third.load_checkpoint()
+    third._prox_before_step = lambda: True  # type: ignore[method-assign]
+    third.train_step(next_batch)
+    loss_after_c = third.loss_on(following)
+    third.close()
     print(
         json.dumps(
             {
                 "resumed_version": second.version,
                 "loss_next": [loss_next_a, loss_next_b],
                 "loss_after_step": [loss_after_a, loss_after_b],
+                "loss_after_step_separate_prox": loss_after_c,
             }
         )
     )

@@ -153,6 +153,8 @@ def test_resume_gives_the_same_loss_as_an_uninterrupted_run(cluster: Cluster, ch
     assert result["loss_next"][0] == pytest.approx(result["loss_next"][1], abs=1e-6)
     assert result["loss_after_step"][0] == pytest.approx(result["loss_after_step"][1], abs=1e-6)
     assert result["loss_next"][0] != pytest.approx(result["loss_after_step"][0], abs=1e-9)  # the step did something
+    # decoupled's proximal log-probabilities taken from the step's own forwards: the same update
+    assert result["loss_after_step_separate_prox"] == pytest.approx(result["loss_after_step"][1], abs=1e-6)
 
 
 def test_bad_learner_flags_name_the_flag(tmp_path: Path) -> None:

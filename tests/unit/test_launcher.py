@@ -63,8 +63,10 @@ class FakeService:
 
     started: list[FakeService] = []
 
-    def __init__(self, name: str, module: str, args: list[str], log_dir: Path, env: dict[str, str]) -> None:
-        self.name, self.env = name, env
+    def __init__(
+        self, name: str, module: str, args: list[str], log_dir: Path, env: dict[str, str], cpus: set[int] | None
+    ) -> None:
+        self.name, self.env, self.cpus = name, env, cpus
         FakeService.started.append(self)
 
 
@@ -109,3 +111,41 @@ def test_loop_figures_count_only_the_training_window() -> None:
     assert figures["generator_tokens_per_s_wall"] == pytest.approx(100.0)
     assert figures["generator_no_work_frac"] == pytest.approx(1 / 11)
     assert figures["generator_blocked_frac"] == pytest.approx(0.5)
+
+
+def test_cpu_lists_parse_and_bad_ones_name_the_field() -> None:
+    from flywheel.config import ConfigError
+    from flywheel.procs import parse_cpu_list
+
+    assert parse_cpu_list("0-3,6") == {0, 1, 2, 3, 6}
+    assert parse_cpu_list("1") == {1}
+    cfg = load_config(["--launch.cpus.learner", "1", "--launch.cpus.generator0", "0-1"])
+    assert cfg.launch.cpus == {"learner": "1", "generator0": "0-1"}  # YAML's integer 1 taken as the list "1"
+    for flags, why in [
+        (["--launch.cpus.lerner", "1"], "unknown service 'lerner'"),
+        (["--launch.cpus.learner", "1-x"], "not a CPU list"),
+        (["--launch.cpus.learner", "3-1"], "runs backwards"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            load_config(flags)
+
+
+def test_pinned_services_run_on_their_cpus_and_missing_cpus_stop_the_run(tmp_path: Path) -> None:
+    import os
+
+    from flywheel.procs import Service
+
+    mine = sorted(os.sched_getaffinity(0))
+    svc = Service("sleeper", "timeit", ["-n", "1", "-r", "1", "__import__('time').sleep(5)"], tmp_path, cpus={mine[-1]})
+    try:
+        assert os.sched_getaffinity(svc.pid) == {mine[-1]}
+    finally:
+        svc.stop()
+    cfg = load_config(["--launch.run_dir", str(tmp_path / "run"), "--launch.cpus.learner", str(max(mine) + 1)])
+    launch = LocalLaunch(cfg)
+    with pytest.raises(ValueError, match=r"launch.cpus.learner: CPUs \[\d+\] are not available"):
+        launch._cpus("learner")
+    assert launch.run() == 2  # before anything starts
+    assert launch._cpus("generator3") is None  # unlisted: anywhere
+    cfg = load_config(["--launch.run_dir", str(tmp_path / "run2"), "--launch.cpus.generator", str(mine[0])])
+    assert LocalLaunch(cfg)._cpus("generator3") == {mine[0]}  # generatorN falls back to generator
