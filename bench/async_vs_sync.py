@@ -237,13 +237,16 @@ def placement_flags(split: bool) -> list[str]:
 def real_run(eta: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     name = f"bench-async-vs-sync-eta{eta}" + (f"-seed{seed}" if seed else "")
     run_dir = ROOT / "runs" / name
-    if not (args.keep_finished and finished(run_dir, eta, seed, args.real_steps)):
-        cmd = [sys.executable, "-m", "flywheel.cli", "run", str(ROOT / "configs" / "quickstart.yaml")]
-        flags = ["--launch.run_dir", str(run_dir), "--launch.display", "false", "--async.max_staleness", str(eta)]
-        flags += ["--run.seed", str(seed), *placement_flags(args.placement == "split")]
-        if args.real_steps:
-            flags += ["--train.total_steps", str(args.real_steps)]
-        subprocess.run([*cmd, *flags], check=True)
+    recipe = ROOT / "configs" / "quickstart.yaml"
+    flags = ["--launch.display", "false", "--async.max_staleness", str(eta), "--run.seed", str(seed)]
+    flags += placement_flags(args.placement == "split")
+    if args.real_steps:
+        flags += ["--train.total_steps", str(args.real_steps)]
+    how = {"recipe": recipe.read_text(), "flags": flags}  # a finished run is reused only if run the same way
+    if not (args.keep_finished and finished(run_dir, how)):
+        cmd = [sys.executable, "-m", "flywheel.cli", "run", str(recipe), "--launch.run_dir", str(run_dir), *flags]
+        subprocess.run(cmd, check=True)
+        (run_dir / "bench_run.json").write_text(json.dumps(how))
     s = json.loads((run_dir / "report" / "summary.json").read_text())
     keys = ["wall_s", "train_window_s", "steps", "learner_step_s", "learner_idle_frac", "generator_no_work_frac",
             "generator_blocked_frac", "staleness_histogram", "reward_first", "reward_last", "accuracy_start",
@@ -251,19 +254,10 @@ def real_run(eta: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     return {"eta": eta, "seed": seed, "run_dir": str(run_dir), **{k: s.get(k) for k in keys}}
 
 
-def finished(run_dir: Path, eta: int, seed: int, steps: int) -> bool:
-    """A finished run of this configuration is already in ``run_dir`` (``--keep-finished``)."""
-    summary, config = run_dir / "report" / "summary.json", run_dir / "config.yaml"
-    if not (summary.exists() and config.exists()):
-        return False
-    import yaml
-
-    s, cfg = json.loads(summary.read_text()), yaml.safe_load(config.read_text())
-    return bool(
-        s.get("max_staleness") == eta
-        and cfg["run"]["seed"] == seed
-        and s.get("steps") == (steps or cfg["train"]["total_steps"])
-    )
+def finished(run_dir: Path, how: dict[str, Any]) -> bool:
+    """A finished run of the same recipe and flags is already in ``run_dir`` (``--keep-finished``)."""
+    summary, record = run_dir / "report" / "summary.json", run_dir / "bench_run.json"
+    return summary.exists() and record.exists() and json.loads(record.read_text()) == how
 
 
 def real_part(args: argparse.Namespace) -> dict[str, Any]:
@@ -340,7 +334,7 @@ def main() -> int:
         help="real loop: the etas repeated under the seeds after the first (default: all)",
     )
     p.add_argument(
-        "--keep-finished", action="store_true", help="real loop: reuse a finished run of the same eta, seed and steps"
+        "--keep-finished", action="store_true", help="real loop: reuse a finished run of the same recipe and flags"
     )
     p.add_argument("--generators", type=int, nargs="+", default=[8, 32, 128, 512])
     p.add_argument("--etas", type=int, nargs="+", default=[0, 1, 4, 8])

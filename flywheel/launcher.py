@@ -144,6 +144,9 @@ class LocalLaunch:
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the run as Ctrl-C does
+        # and Ctrl-C (SIGINT) always does: a launcher started in the background by a non-interactive
+        # shell (`cmd &`, nohup'd CI) inherits SIGINT as ignored, and Python leaves it so
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             for key in self.cfg.launch.cpus:
                 self._cpus(key)

@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ from learner.batching import (
 )
 from learner.logprobs import linear_logprobs_entropy
 from learner.speedups import VARLEN_NAME, compile_regions
+
+if TYPE_CHECKING:
+    from learner.weight_sync import OverlappedSync, SyncReport
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +157,12 @@ class Trainer:
             from learner.weight_sync import WeightBroadcaster
 
             self.broadcaster = WeightBroadcaster(cfg.sync, device=self.device, security=cfg.security)
+        self.overlapped: OverlappedSync | None = None
+        if self.broadcaster is not None and cfg.sync.overlap:
+            from learner.weight_sync import OverlappedSync
+
+            # a sync returns within its deadline; twice that is a thread that is stuck
+            self.overlapped = OverlappedSync(self.broadcaster, self._log_sync, 2 * cfg.sync.timeout_s + 30)
         self.loss_cfg = algos.PolicyLossConfig(
             correction=cfg.algo.off_policy.correction,
             clip_low=cfg.algo.loss.clip_low,
@@ -259,7 +268,7 @@ class Trainer:
             if self.rank == 0:
                 self.client.set_version(self.version)
             if self.version % self.cfg.async_.sync_every == 0 or self.version == total:
-                self.sync_weights()
+                self.sync_weights(wait=self.version == total)  # the last one is waited for
             if self.cfg.train.checkpoint_every and self.version % self.cfg.train.checkpoint_every == 0:
                 self.save_checkpoint()
             step_s = time.perf_counter() - t0
@@ -648,16 +657,26 @@ class Trainer:
         else:
             yield {n: p.data for n, p in module.named_parameters()}
 
-    def sync_weights(self) -> None:
+    def sync_weights(self, wait: bool = True) -> None:
+        """Broadcast this version's weights. With ``sync.overlap`` and ``wait=False`` it returns once
+        a copy is handed to the sync thread; the next sync (or ``wait=True``) waits for it first."""
         with self.full_weights() as weights:
             if self.broadcaster is None:
                 return
+            if self.overlapped is not None:
+                if not wait:
+                    self.overlapped.start(self.version, weights)
+                    return
+                self.overlapped.wait()
             with WATCHDOG.wait(f"weight sync v{self.version}", self.cfg.run.watchdog_s):
                 report = self.broadcaster.sync(self.version, weights.items())
+        self._log_sync(report)
+
+    def _log_sync(self, report: SyncReport) -> None:
         if report.members:
             log.info(
                 "weights v%d -> %d generators in %.3fs (%.1f MB, %d buckets)%s",
-                self.version,
+                report.version,
                 len(report.acked),
                 report.total_s,
                 report.nbytes / 1e6,
@@ -727,6 +746,9 @@ class Trainer:
 
     def close(self) -> None:
         self.claims.close()
+        if self.overlapped is not None:
+            with contextlib.suppress(Exception):  # closing after an error: that error is the one to report
+                self.overlapped.wait()
         if self.broadcaster is not None:
             self.broadcaster.close()
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -264,3 +265,44 @@ class WeightBroadcaster:
         with contextlib.suppress(zmq.ZMQError):
             self.pub.close(linger=0)
             self.router.close(linger=0)
+
+
+class OverlappedSync:
+    """``WeightBroadcaster.sync`` in a background thread, so the learner trains its next step while
+    the weights go out and the generators load them (``sync.overlap``).
+
+    One sync in flight: ``start`` first waits for the previous one. The thread gets a copy of the
+    weights, since the next optimizer step changes them in place. A failure in the thread is raised
+    in the learner's loop at the next ``start`` or ``wait``; nothing else touches the broadcaster
+    while a sync is in flight (it is only used through here).
+    """
+
+    def __init__(self, broadcaster: WeightBroadcaster, on_report: Callable[[SyncReport], None], wait_s: float) -> None:
+        self.broadcaster, self.on_report, self.wait_s = broadcaster, on_report, wait_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        self.wait()
+        snapshot = {name: t.detach().clone() for name, t in weights.items()}
+        self._thread = threading.Thread(
+            target=self._run, args=(version, snapshot), name=f"weight-sync-v{version}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, version: int, snapshot: dict[str, torch.Tensor]) -> None:
+        try:
+            self.on_report(self.broadcaster.sync(version, snapshot.items()))
+        except BaseException as err:  # handed to the learner's loop by wait()
+            self._error = err
+
+    def wait(self) -> None:
+        """Until the sync in flight (if any) is done; raises what it raised."""
+        if self._thread is not None:
+            self._thread.join(timeout=self.wait_s)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the weight sync thread is still running after {self.wait_s:g}s")
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"weight sync failed: {type(err).__name__}: {err}") from err

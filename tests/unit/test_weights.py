@@ -167,3 +167,24 @@ def test_closing_an_nccl_group_aborts_it_without_waiting_for_peers(monkeypatch: 
     stalled.set()
     assert pg.calls == ["abort"]
     assert time.monotonic() - start < 5
+
+
+def test_an_overlapped_sync_reports_from_its_thread_and_hands_failures_to_the_loop() -> None:
+    from flywheel.config import SyncConfig
+    from flywheel.redis_server import free_port
+    from learner.weight_sync import OverlappedSync, SyncReport, WeightBroadcaster
+
+    wb = WeightBroadcaster(SyncConfig(announce_port=free_port(), join_port=free_port(), timeout_s=5))
+    reports: list[SyncReport] = []
+    overlapped = OverlappedSync(wb, reports.append, wait_s=30)
+    weights = {"w": torch.zeros(4)}
+    overlapped.start(1, weights)
+    weights["w"].add_(1.0)  # the next optimizer step, in place: the thread has its own copy
+    overlapped.start(2, weights)  # waits for v1 first
+    overlapped.wait()
+    assert [r.version for r in reports] == [1, 2] and not reports[0].members  # nobody joined: nothing sent
+    wb.close()  # a sync on closed sockets fails in the thread...
+    overlapped.start(3, weights)
+    with pytest.raises(RuntimeError, match="weight sync failed"):
+        overlapped.wait()  # ...and the failure reaches the caller
+    overlapped.wait()  # raised once, then clear
