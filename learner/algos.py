@@ -5,8 +5,9 @@ tokens (padded; ``mask_BT`` is 1 on real tokens), ``_B`` one value per sequence.
 
 Policies in the losses: ``logprobs`` are the current policy's (with gradient), ``behav_logprobs``
 the generator's that sampled the tokens (the behaviour policy, possibly several versions old),
-``prox_logprobs`` the proximal policy's: the learner's weights at the start of this step,
-recomputed by the learner without gradient (decoupled PPO, AReaL).
+``prox_logprobs`` the proximal policy's: the learner's weights at the start of this step, without
+gradient (decoupled PPO, AReaL; with one update per step the trainer takes them from the step's
+own forward).
 """
 
 from __future__ import annotations
