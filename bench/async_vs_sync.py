@@ -260,6 +260,12 @@ def finished(run_dir: Path, how: dict[str, Any]) -> bool:
     return summary.exists() and record.exists() and json.loads(record.read_text()) == how
 
 
+def versus_sync(run: dict[str, Any], sync: dict[str, Any]) -> None:
+    """The wall-time speedup and the relative final-accuracy gap of ``run`` against ``sync``."""
+    run["speedup_vs_sync"] = sync["wall_s"] / run["wall_s"]
+    run["reward_gap_vs_sync"] = (sync["accuracy_end"] - run["accuracy_end"]) / sync["accuracy_end"]
+
+
 def real_part(args: argparse.Namespace) -> dict[str, Any]:
     etas = sorted({0, *args.etas_real})
     repeated = set(args.seed_etas or etas) | {0}  # the etas run again under the seeds after the first
@@ -270,9 +276,8 @@ def real_part(args: argparse.Namespace) -> dict[str, Any]:
     )
     for r in rows:
         sync = next(x for x in rows if x["eta"] == 0 and x["seed"] == r["seed"])
-        r["speedup_vs_sync"] = sync["wall_s"] / r["wall_s"]
+        versus_sync(r, sync)
         r["window_speedup_vs_sync"] = sync["train_window_s"] / r["train_window_s"]
-        r["reward_gap_vs_sync"] = (sync["accuracy_end"] - r["accuracy_end"]) / sync["accuracy_end"]
         print(
             f"{r['eta']:>3} {r['seed']:>4} {r['wall_s']:>7.0f} {r['train_window_s']:>8.0f} {r['speedup_vs_sync']:>6.2f}x "
             f"{r['learner_idle_frac']:>12.1%} {r['generator_no_work_frac']:>11.1%} "
@@ -295,8 +300,7 @@ def real_part(args: argparse.Namespace) -> dict[str, Any]:
     sync = means[0]
     print(f"over seeds {args.seeds}:")
     for m in means.values():
-        m["speedup_vs_sync"] = sync["wall_s"] / m["wall_s"]
-        m["reward_gap_vs_sync"] = (sync["accuracy_end"] - m["accuracy_end"]) / sync["accuracy_end"]
+        versus_sync(m, sync)
         print(
             f"{m['eta']:>3} wall {m['wall_s']:>5.0f} s  speedup {m['speedup_vs_sync']:.2f}x  accuracy "
             f"{m['accuracy_end']:.1%} ({m['accuracy_end_min']:.0%}..{m['accuracy_end_max']:.0%})  "
