@@ -193,11 +193,11 @@ class LocalLaunch:
         key = name if name in table else "generator" if name.startswith("generator") else None
         if key not in table:
             return None
-        cpus = parse_cpu_list(table[key])
-        if not cpus <= os.sched_getaffinity(0):
+        cpus, usable = parse_cpu_list(table[key]), os.sched_getaffinity(0)
+        if not cpus <= usable:
             raise ValueError(
-                f"launch.cpus.{key}: CPUs {sorted(cpus - os.sched_getaffinity(0))} are not available here "
-                f"(this launcher may use {sorted(os.sched_getaffinity(0))})"
+                f"launch.cpus.{key}: CPUs {sorted(cpus - usable)} are not available here "
+                f"(this launcher may use {sorted(usable)})"
             )
         return cpus
 
