@@ -41,7 +41,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SYNC_LINE = re.compile(r"weights v(\d+) -> (\d+) generators in ([\d.]+)s")
-UPDATE_LINE = re.compile(r"now serving weights v(\d+) \(update took ([\d.]+)s\)")
+UPDATE_LINE = re.compile(r"now serving weights v(\d+) \(update took ([\d.]+)s")
 
 
 def run_loop(recipe: Path, run_dir: Path, timeout_s: float, overrides: list[str]) -> int:

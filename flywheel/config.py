@@ -312,6 +312,11 @@ class GeneratorConfig(_Section):
         None, description="HF causal-LM path (a directory or hub name) the generator serves; required."
     )
     id: str | None = Field(None, description="Generator id (its identity at the hub). Unset: <hostname>-<pid>.")
+    await_weights: bool = Field(
+        False,
+        description="Load `model` only for its shape and serve nothing until the learner's first weight sync "
+        "(the launcher sets it so that vLLM loads the base model while the warm start trains).",
+    )
     hub_address: str = Field("tcp://127.0.0.1:5555", description="Hub generator ROUTER address.")
     capacity: int = Field(8, ge=1, le=65536, description="Leases (prompt groups) generated at once.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="vLLM tensor-parallel size (GPUs per generator).")
@@ -384,7 +389,7 @@ class SyncConfig(_Section):
         False,
         description="Send the weights from a background thread while the learner trains the next step (one sync "
         "in flight; costs a copy of the weights in the learner's memory). Off: the step waits for every "
-        "generator's ack. On 2 CPUs it did not pay (README, learner section).",
+        "generator's ack. No effect at η = 0, where the next batch needs the new weights first.",
     )
 
 
@@ -603,8 +608,9 @@ class LaunchConfig(_Section):
     cpus: dict[str, str] = Field(
         default_factory=dict,
         description="Local launcher: pin services to CPUs, e.g. {learner: '1', generator: '0', hub: '0'} (keys: "
-        "redis, hub, reward, generator, generatorN, learner; values: CPU lists such as 0-3,6). Unlisted services "
-        "run anywhere. Disaggregated placement on one machine: each side keeps its own cores.",
+        "redis, hub, reward, generator, generatorN, learner; values: CPU lists such as 0-3,6; the warm start and "
+        "the evaluations take the learner's). Unlisted services run anywhere. Disaggregated placement on one "
+        "machine: each side keeps its own cores.",
     )
 
     @field_validator("cpus", mode="before")

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -227,12 +228,20 @@ class ClaimsAhead:
         self.client, self.n_groups, self.timeout_s = client, n_groups, timeout_s
         self._ahead: tuple[int, Future[Batch]] | None = None
 
-    def claim(self, version: int) -> Batch:
-        """The batch for ``version``: the one claimed ahead, or a claim now. Raises BatchTimeout."""
+    def claim(self, version: int, wait_s: float | None = None) -> Batch:
+        """The batch for ``version``: the one claimed ahead, or a claim now. Raises BatchTimeout
+        after ``wait_s`` (default: ``timeout_s``); a claim made ahead is kept for the next call."""
+        wait_s = self.timeout_s if wait_s is None else wait_s
         if self._ahead is not None and self._ahead[0] == version:
-            future, self._ahead = self._ahead[1], None
-            return future.result()  # the claim itself gives up after timeout_s
-        return self.client.claim(self.n_groups, version, self.timeout_s)
+            future = self._ahead[1]
+            try:
+                return future.result(timeout=wait_s)  # the claim itself gives up after timeout_s
+            except FutureTimeout:
+                raise BatchTimeout(f"the batch claimed ahead for v{version} is not ready after {wait_s:.1f}s") from None
+            finally:
+                if future.done():
+                    self._ahead = None
+        return self.client.claim(self.n_groups, version, wait_s)
 
     def claim_ahead(self, version: int) -> None:
         """Start claiming the batch for ``version`` (not at η = 0, nor when one is already coming)."""

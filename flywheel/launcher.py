@@ -188,9 +188,12 @@ class LocalLaunch:
         return self.redis.url
 
     def _cpus(self, name: str) -> set[int] | None:
-        """The CPUs ``launch.cpus`` pins service ``name`` to (generatorN falls back to generator)."""
+        """The CPUs ``launch.cpus`` pins service ``name`` to (generatorN falls back to generator; the
+        warm start and the evaluations run on the learner's, as they do on its GPU)."""
         table = self.cfg.launch.cpus
         key = name if name in table else "generator" if name.startswith("generator") else None
+        if key is None and name in ("sft", "eval_start", "eval_end"):
+            key = "learner"
         if key not in table:
             return None
         cpus, usable = parse_cpu_list(table[key]), os.sched_getaffinity(0)
@@ -323,11 +326,19 @@ class LocalLaunch:
             )
             self.overrides += ["--data.path", str(prompts), "--data.tokenizer", cfg.data.tokenizer or model]
         self._write_config(model)
-        if cfg.sft.steps and cfg.task.name != "none":
-            model = self._warm_start(model)
-        elif cfg.task.name != "none":
+        self.base_model = model
+        if cfg.task.name != "none" and not self._warm_starts():
             self.eval_start = self._evaluate(model, "eval_start")
-        self.overrides += ["--train.model", model, "--generator.model", model]
+
+    def _warm_starts(self) -> bool:
+        return bool(self.cfg.sft.steps) and self.cfg.task.name != "none"
+
+    def _loads_while_warm_starting(self) -> bool:
+        """Generators start on the base model while the warm start trains (vLLM's start is the
+        longest part of a run's start) and take the warm-started weights from the learner's first
+        sync: only when this launcher starts the learner, which sends them."""
+        start = self.cfg.launch.services
+        return self._warm_starts() and "generator" in start and "learner" in start
 
     def _write_config(self, model: str) -> None:
         """The recipe as resolved (everything but what the launcher passes as flags)."""
@@ -389,7 +400,15 @@ class LocalLaunch:
         announce, join = self._sync_ports()
         self.overrides += ["--sync.host", self._host("learner"), "--sync.announce_port", str(announce)]
         self.overrides += ["--sync.join_port", str(join)]
-        if "generator" in start:
+        early = self._loads_while_warm_starting()
+        if early:
+            for i in range(cfg.launch.generators):
+                self.generators.append(
+                    self._start_generator(i, "--generator.model", self.base_model, "--generator.await_weights", "true")
+                )
+        model = self._warm_start(self.base_model) if self._warm_starts() else self.base_model
+        self.overrides += ["--train.model", model, "--generator.model", model]
+        if "generator" in start and not early:
             for i in range(cfg.launch.generators):
                 self.generators.append(self._start_generator(i))
             self._wait_generators(cfg.launch.generators)
@@ -407,11 +426,13 @@ class LocalLaunch:
             else:  # data parallel: one rank per GPU (or per process on CPUs)
                 launcher = ["--nproc_per_node", str(procs), "--master_port", str(free_port()), "-m", "learner"]
                 self._service("learner", "torch.distributed.run", *launcher, *flags, env=env)
+        if early:
+            self._wait_generators(cfg.launch.generators)  # they finish loading while the learner starts
 
-    def _start_generator(self, i: int) -> ServiceHandle:
+    def _start_generator(self, i: int, *extra: str) -> ServiceHandle:
         acks = self.run_dir / "acks"
         acks.mkdir(exist_ok=True)
-        flags = self._flags("--generator.id", f"gen{i}", "--generator.ack_log", str(acks / f"gen{i}.log"))
+        flags = self._flags("--generator.id", f"gen{i}", "--generator.ack_log", str(acks / f"gen{i}.log"), *extra)
         return self._service(f"generator{i}", "generators", *flags)
 
     def _retire_generator(self, svc: ServiceHandle) -> None:
@@ -577,19 +598,31 @@ class LocalLaunch:
     # ------------------------------------------------------------------ the end
 
     def _final_eval(self) -> None:
+        """Evaluate the exported policy while the services stop (nothing needs them any more)."""
         final = self.run_dir / "final_model"
-        if self.cfg.task.name != "none" and final.exists():
-            self.eval_end = self._evaluate(str(final), "eval_end")
+        if self.cfg.task.name == "none" or not final.exists():
+            return
+        out = self.run_dir / "eval_end.json"
+        svc = self._service("eval_end", "learner.evaluate", "--model", str(final), "--out", str(out), *self._flags())
+        self._stop_services(keep=svc)
+        self._wait_exit(svc, self.cfg.launch.ready_timeout_s)
+        self.eval_end = json.loads(out.read_text())
 
     def _shutdown(self) -> None:
-        # generators first (they drain), the hub and Redis last: nothing is written to a dead store
+        self._stop_services()
+        self._stop_redis()
+
+    def _stop_services(self, keep: ServiceHandle | None = None) -> None:
+        # generators first (they drain), the hub last: nothing is written to a stopped hub
         order = {"learner": 0, "generator": 1, "reward": 2, "hub": 3}
         for svc in sorted(self.services, key=lambda s: order.get(s.name.rstrip("0123456789"), 0)):
+            if svc is keep:
+                continue
             try:
                 svc.stop(timeout_s=15)
             except Exception as err:  # one stuck service must not keep the others running
                 self.console.print(f"[red]stopping {svc.name}: {err}")
-        self._stop_redis()
+        self.services = [s for s in self.services if s is keep]
 
     def _stop_redis(self) -> None:
         if self.redis is not None:

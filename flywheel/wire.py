@@ -415,6 +415,10 @@ class SyncJoin(Message, tag=True):
     generator_id: str
     version: int  # the version it serves now
     workers: int  # ranks it needs in the group: one per vLLM worker (tensor-parallel size)
+    # True while it holds no usable policy weights (it started on the base model and waits for
+    # the learner's, or an update failed half-way): the learner sends it the current ones even
+    # when its version looks current
+    needs_weights: bool = False
 
     def check(self) -> None:
         _require(0 < len(self.generator_id) <= 128, "generator_id", "must be 1..128 characters")

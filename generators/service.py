@@ -95,7 +95,9 @@ class GeneratorService:
         self.generator_id = generator_id
         self.max_model_len = max_model_len
         self.version = 0
-        self.weights_valid = True  # False after an update failed half-way: no leases until one succeeds
+        # False after an update failed half-way, or until the learner's first sync when the engine
+        # loaded the base model only for its shape (generator.await_weights): no leases meanwhile
+        self.weights_valid = not self.gcfg.await_weights
         self.samples: dict[int, dict[int, SampleRun]] = {}  # lease id -> sample index -> run
         self.updates: list[UpdateResult] = []
         self.tokens_generated = 0
@@ -112,6 +114,7 @@ class GeneratorService:
     # ------------------------------------------------------------------ main loop
 
     async def run(self, max_seconds: float | None = None) -> None:
+        self.link.draining = not self.weights_valid  # told with the first heartbeat, right after
         self.link.register(self.version)
         start = time.monotonic()
         interval = self.gcfg.flush_interval_ms / 1000
@@ -151,7 +154,7 @@ class GeneratorService:
         self.link.draining = self._draining_since is not None or not self.weights_valid
         self.link.heartbeat()
         if self.sync is not None:
-            self.sync.join(self.version, self.gcfg.heartbeat_s)
+            self.sync.join(self.version, self.gcfg.heartbeat_s, needs_weights=not self.weights_valid)
 
     async def _shutdown(self) -> None:
         held = list(self.samples)
@@ -283,19 +286,32 @@ class GeneratorService:
         if interrupt:
             self._interrupts += 1
             self._resumed.clear()
+        phases: dict[str, float] = {}  # where an update's time goes (logged: it is the generator's sync cost)
+        mark = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            phases[name], mark = now - mark, now
+
         await self.engine.pause_generation(mode="abort" if interrupt else "keep", clear_cache=False)
+        lap("pause")
         try:
             await self._quiesce()
+            lap("quiesce")
             with WATCHDOG.wait(f"weight update v{ready.version}", self.cfg.run.watchdog_s):
                 error, touched = await self._load(ready, raw)
+            lap("load")
             if error is None:
                 self.version = ready.version
             # Cached KV (prefix cache and running requests) came from the old weights: recompute it.
             await self.engine.reset_prefix_cache(reset_running_requests=True)
+            lap("reset")
         finally:
             await self.engine.resume_generation()
+            lap("resume")
             self._resumed.set()
-        return self._after_update(ready, error, touched, start)
+        return self._after_update(ready, error, touched, start, phases)
 
     async def _load(self, ready: WeightsReady, raw: bytes) -> tuple[str | None, bool]:
         first_rank = ready.ranks[self.generator_id]
@@ -320,11 +336,19 @@ class GeneratorService:
             seen = self._deltas
             await asyncio.sleep(0.005)
 
-    def _after_update(self, ready: WeightsReady, error: str | None, touched: bool, start: float) -> UpdateResult:
+    def _after_update(
+        self,
+        ready: WeightsReady,
+        error: str | None,
+        touched: bool,
+        start: float,
+        phases: dict[str, float] | None = None,
+    ) -> UpdateResult:
         seconds = time.perf_counter() - start
         if error is None:
             self.weights_valid = True
-            log.info("now serving weights v%d (update took %.3fs)", self.version, seconds)
+            detail = " ".join(f"{k} {v:.3f}" for k, v in (phases or {}).items())
+            log.info("now serving weights v%d (update took %.3fs: %s)", self.version, seconds, detail)
         else:
             log.error("could not load weights v%d: %s", ready.version, error)
             if touched:

@@ -49,11 +49,13 @@ class SyncLink:
         self._join_after = time.monotonic() + 0.5
         self._last_join = 0.0
 
-    def join(self, version: int, every_s: float) -> None:
+    def join(self, version: int, every_s: float, needs_weights: bool = False) -> None:
         now = time.monotonic()
         if now >= self._join_after and now - self._last_join >= every_s:
             self._last_join = now
-            msg = SyncJoin(generator_id=self.generator_id, version=version, workers=self.workers)
+            msg = SyncJoin(
+                generator_id=self.generator_id, version=version, workers=self.workers, needs_weights=needs_weights
+            )
             with contextlib.suppress(zmq.Again):
                 self.dealer.send(encode(msg), zmq.NOBLOCK)
 

@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# While waiting for a batch, how often the learner looks for generators that lack its weights.
+CATCH_UP_CHECK_S = 1.0
+
 
 @dataclass
 class StepStats:
@@ -141,6 +144,7 @@ class Trainer:
         )
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.version = 0
+        self.synced_version = 0  # the version of the last weights broadcast (the model loaded: 0)
         self.redis = redis_client(cfg.redis)
         policy = StalenessPolicy(cfg.async_.max_staleness, cfg.async_.groups_per_step)
         claims_log = None
@@ -158,7 +162,8 @@ class Trainer:
 
             self.broadcaster = WeightBroadcaster(cfg.sync, device=self.device, security=cfg.security)
         self.overlapped: OverlappedSync | None = None
-        if self.broadcaster is not None and cfg.sync.overlap:
+        # At η = 0 the next batch needs this step's weights at the generators first: nothing to overlap.
+        if self.broadcaster is not None and cfg.sync.overlap and cfg.async_.max_staleness > 0:
             from learner.weight_sync import OverlappedSync
 
             # a sync returns within its deadline; twice that is a thread that is stuck
@@ -283,11 +288,26 @@ class Trainer:
             reporter(stats)
 
     def claim(self) -> Batch:
-        try:
-            with WATCHDOG.wait(f"claim of the batch for v{self.version}", self.cfg.run.watchdog_s):
-                return self.claims.claim(self.version)
-        except BatchTimeout as err:
-            raise RuntimeError(f"learner v{self.version}: {err}") from err
+        """This step's batch. While it waits, generators that joined behind the last sync (or hold
+        no usable weights) get the current ones: at η = 0 nobody else could make the batch."""
+        timeout_s = self.cfg.train.batch_timeout_s
+        deadline = time.monotonic() + timeout_s
+        # Only rank 0 broadcasts, so only where it holds the whole model (not ZeRO-3 across ranks,
+        # whose gather is a collective the other ranks would have to join).
+        catch_up = self.broadcaster is not None and (self.world == 1 or self.cfg.ds.zero_stage < 3)
+        with WATCHDOG.wait(f"claim of the batch for v{self.version}", self.cfg.run.watchdog_s):
+            while True:
+                wait_s = min(CATCH_UP_CHECK_S, max(deadline - time.monotonic(), 0.0)) if catch_up else timeout_s
+                try:
+                    return self.claims.claim(self.version, wait_s)
+                except BatchTimeout as err:
+                    if time.monotonic() >= deadline:
+                        raise RuntimeError(f"learner v{self.version}: no batch within {timeout_s:g}s: {err}") from err
+                assert self.broadcaster is not None
+                behind = self.broadcaster.behind(self.synced_version)
+                if behind:
+                    log.info("generators %s lack the weights of v%d: sending them now", behind, self.version)
+                    self.sync_weights()
 
     # ------------------------------------------------------------------ one optimizer step
 
@@ -663,6 +683,7 @@ class Trainer:
         with self.full_weights() as weights:
             if self.broadcaster is None:
                 return
+            self.synced_version = self.version
             if self.overlapped is not None:
                 if not wait:
                     self.overlapped.start(self.version, weights)

@@ -35,6 +35,7 @@ class Member:
     version: int
     last_seen: float
     joined: float = 0.0  # when its first SyncJoin (since it last left) arrived
+    needs_weights: bool = False  # it holds no usable policy weights (SyncJoin.needs_weights)
 
 
 # A generator's SUB socket (re)subscribes when it (re)connects, at the same moment its DEALER
@@ -129,7 +130,9 @@ class WeightBroadcaster:
                         msg.workers,
                     )
                 old = self.members.get(msg.generator_id)
-                self.members[msg.generator_id] = Member(msg.workers, msg.version, now, old.joined if old else now)
+                self.members[msg.generator_id] = Member(
+                    msg.workers, msg.version, now, old.joined if old else now, msg.needs_weights
+                )
             elif isinstance(msg, WeightsAck):
                 self._acks[msg.generator_id] = msg
                 member = self.members.get(msg.generator_id)
@@ -137,6 +140,7 @@ class WeightBroadcaster:
                     member.last_seen = now
                     if msg.error is None:
                         member.version = msg.version
+                        member.needs_weights = False
 
     def last_ack(self, generator_id: str) -> WeightsAck | None:
         """The latest WeightsAck from a generator since the last sync started."""
@@ -158,6 +162,14 @@ class WeightBroadcaster:
         if wait > 0:
             time.sleep(min(wait, JOIN_SETTLE_S))
             self.poll()
+
+    def behind(self, version: int) -> list[str]:
+        """Live members that do not serve ``version``'s weights: joined after the last sync (a
+        restarted or added generator, one that loaded the base model while the warm start ran) or
+        left with half-loaded weights by a failed update. The learner, waiting for a batch only they
+        could make, sends them the current weights rather than wait for its next step's sync."""
+        self.poll()
+        return sorted(g for g, m in self.live_members().items() if m.version < version or m.needs_weights)
 
     def wait_for_members(self, n: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from flywheel.hub_client import BatchClient, ClaimsAhead
+from flywheel.hub_client import Batch, BatchClient, BatchTimeout, ClaimsAhead
 from flywheel.staleness import StalenessPolicy
 from flywheel.store import META, GroupMeta, unpack
 from tests.conftest import Cluster, wait_until
@@ -48,7 +48,7 @@ def test_admission_bounds_staleness(cluster: Cluster, eta: int) -> None:
     staleness: list[int] = []
     served: list[int] = []
     for v in range(8):
-        batch = claims.claim(v)
+        batch = claim_in_slices(claims, v)
         if v + 1 < 8:  # the learner claims no batch past its last step
             claims.claim_ahead(v + 1)  # at η = 0 a no-op: the next batch needs this step's weights
         assert len(batch.groups) == GPS
@@ -73,6 +73,17 @@ def test_admission_bounds_staleness(cluster: Cluster, eta: int) -> None:
         assert max(staleness) >= 1, f"with η = {eta} and a slow learner, generation should run ahead: {staleness}"
     hist = client.staleness_histogram()
     assert sum(hist.values()) == 8 * GPS and max(hist) <= eta
+
+
+def claim_in_slices(claims: ClaimsAhead, version: int, timeout_s: float = 60) -> Batch:
+    """As the learner waits: in short slices (between them it looks for generators that lack its
+    weights); a batch claimed ahead is kept across them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return claims.claim(version, wait_s=0.05)
+        except BatchTimeout:
+            assert time.monotonic() < deadline, f"no batch for v{version} within {timeout_s}s"
 
 
 @pytest.mark.parametrize("requeue", [True, False])

@@ -188,3 +188,38 @@ def test_an_overlapped_sync_reports_from_its_thread_and_hands_failures_to_the_lo
     with pytest.raises(RuntimeError, match="weight sync failed"):
         overlapped.wait()  # ...and the failure reaches the caller
     overlapped.wait()  # raised once, then clear
+
+
+def test_members_that_joined_behind_the_last_sync_or_need_weights_are_named() -> None:
+    """What the learner reads while it waits for a batch (real ZMQ sockets, as in a run): a
+    generator whose version is older than the last sync's, or one that says it holds no usable
+    weights, is behind; an ack of the current version clears it."""
+    from flywheel.config import SyncConfig
+    from flywheel.redis_server import free_port
+    from flywheel.wire import WeightsAck, encode
+    from generators.sync_link import SyncLink
+    from learner import weight_sync
+    from learner.weight_sync import WeightBroadcaster
+
+    ports = (free_port(), free_port())
+    wb = WeightBroadcaster(SyncConfig(announce_port=ports[0], join_port=ports[1], timeout_s=5))
+    old = SyncLink("127.0.0.1", *ports, "restarted", workers=1)
+    fresh = SyncLink("127.0.0.1", *ports, "awaiting", workers=1)
+    current = SyncLink("127.0.0.1", *ports, "current", workers=1)
+    try:
+        time.sleep(0.6)  # a link announces itself once its subscription has had time to arrive
+        old.join(0, every_s=0)
+        fresh.join(3, every_s=0, needs_weights=True)
+        current.join(3, every_s=0)
+        time.sleep(0.2)
+        wb.poll()  # the learner reads joins at each look (every CATCH_UP_CHECK_S while it waits)
+        time.sleep(weight_sync.JOIN_SETTLE_S + 0.1)  # members take part once they settled
+        assert wb.behind(3) == ["awaiting", "restarted"]
+        assert wb.behind(0) == ["awaiting"]  # version 0 is what every generator loads first
+        fresh.dealer.send(encode(WeightsAck(generator_id="awaiting", version=3, epoch=wb.epoch)))
+        time.sleep(0.2)
+        assert wb.behind(3) == ["restarted"]
+    finally:
+        for link in (old, fresh, current):
+            link.close()
+        wb.close()
