@@ -29,6 +29,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -360,9 +361,14 @@ class LocalLaunch:
         )
         return str(out)
 
-    def _evaluate(self, model: str, name: str) -> dict[str, Any]:
+    def _evaluate(
+        self, model: str, name: str, meanwhile: Callable[[ServiceHandle], None] | None = None
+    ) -> dict[str, Any]:
+        """Greedy accuracy of ``model`` (the service ``name``); ``meanwhile`` runs while it evaluates."""
         out = self.run_dir / f"{name}.json"
         svc = self._service(name, "learner.evaluate", "--model", model, "--out", str(out), *self._flags())
+        if meanwhile is not None:
+            meanwhile(svc)
         self._wait_exit(svc, self.cfg.launch.ready_timeout_s)
         result: dict[str, Any] = json.loads(out.read_text())
         return result
@@ -600,13 +606,8 @@ class LocalLaunch:
     def _final_eval(self) -> None:
         """Evaluate the exported policy while the services stop (nothing needs them any more)."""
         final = self.run_dir / "final_model"
-        if self.cfg.task.name == "none" or not final.exists():
-            return
-        out = self.run_dir / "eval_end.json"
-        svc = self._service("eval_end", "learner.evaluate", "--model", str(final), "--out", str(out), *self._flags())
-        self._stop_services(keep=svc)
-        self._wait_exit(svc, self.cfg.launch.ready_timeout_s)
-        self.eval_end = json.loads(out.read_text())
+        if self.cfg.task.name != "none" and final.exists():
+            self.eval_end = self._evaluate(str(final), "eval_end", meanwhile=lambda svc: self._stop_services(keep=svc))
 
     def _shutdown(self) -> None:
         self._stop_services()

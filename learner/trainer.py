@@ -304,6 +304,8 @@ class Trainer:
                     if time.monotonic() >= deadline:
                         raise RuntimeError(f"learner v{self.version}: no batch within {timeout_s:g}s: {err}") from err
                 assert self.broadcaster is not None
+                if self.overlapped is not None:
+                    self.overlapped.wait()  # the broadcaster belongs to the sync thread while one is in flight
                 behind = self.broadcaster.behind(self.synced_version)
                 if behind:
                     log.info("generators %s lack the weights of v%d: sending them now", behind, self.version)
