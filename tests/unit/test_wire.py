@@ -108,6 +108,7 @@ EXAMPLES = [
     Release(generator_id="gen-0", lease_ids=[3, 4]),
     READY,
     SyncJoin(generator_id="gen-0", version=4, workers=2),
+    SyncJoin(generator_id="gen-0", version=0, workers=1, needs_weights=True),
     WeightsAck(generator_id="gen-0", version=5, epoch=1),
     WeightsAck(generator_id="gen-0", version=4, epoch=1, error="deadline passed"),
 ]
@@ -166,6 +167,16 @@ def test_garbage_is_rejected_naming_the_field(data: bytes, reason: str, field: s
     with pytest.raises(WireError) as err:
         Decoder(ToHub).decode(data)
     assert err.value.reason == reason
+    assert err.value.field == field, str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [({"needs_weights": "yes"}, "needs_weights"), ({"version": -1}, "version"), ({"workers": 0}, "workers")],
+)
+def test_bad_sync_join_names_the_field(changes: dict[str, object], field: str) -> None:
+    with pytest.raises(WireError) as err:
+        Decoder(ToLearner).decode(_mutated(SyncJoin(generator_id="g", version=0, workers=1), **changes))
     assert err.value.field == field, str(err.value)
 
 
