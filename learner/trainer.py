@@ -297,19 +297,25 @@ class Trainer:
         catch_up = self.broadcaster is not None and (self.world == 1 or self.cfg.ds.zero_stage < 3)
         with WATCHDOG.wait(f"claim of the batch for v{self.version}", self.cfg.run.watchdog_s):
             while True:
-                wait_s = min(CATCH_UP_CHECK_S, max(deadline - time.monotonic(), 0.0)) if catch_up else timeout_s
+                left = max(deadline - time.monotonic(), 0.0)
+                wait_s = min(CATCH_UP_CHECK_S, left) if catch_up else left
                 try:
                     return self.claims.claim(self.version, wait_s)
                 except BatchTimeout as err:
                     if time.monotonic() >= deadline:
                         raise RuntimeError(f"learner v{self.version}: no batch within {timeout_s:g}s: {err}") from err
-                assert self.broadcaster is not None
-                if self.overlapped is not None:
-                    self.overlapped.wait()  # the broadcaster belongs to the sync thread while one is in flight
-                behind = self.broadcaster.behind(self.synced_version)
-                if behind:
-                    log.info("generators %s lack the weights of v%d: sending them now", behind, self.version)
-                    self.sync_weights()
+                if catch_up:
+                    self._catch_up_generators()
+
+    def _catch_up_generators(self) -> None:
+        """Send the current weights to generators that lack them (see ``claim``)."""
+        assert self.broadcaster is not None
+        if self.overlapped is not None:
+            self.overlapped.wait()  # the broadcaster belongs to the sync thread while one is in flight
+        behind = self.broadcaster.behind(self.synced_version)
+        if behind:
+            log.info("generators %s lack the weights of v%d: sending them now", behind, self.version)
+            self.sync_weights()
 
     # ------------------------------------------------------------------ one optimizer step
 
