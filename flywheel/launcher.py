@@ -135,6 +135,7 @@ class LocalLaunch:
         self.timeline = Timeline()
         self.started = time.monotonic()
         self.eval_start: dict[str, Any] | None = None
+        self.base_model = ""  # the model before the warm start (set by _prepare)
         self.eval_end: dict[str, Any] | None = None
         self.generators: list[ServiceHandle] = []
         self.autoscaler: Autoscaler | None = None
@@ -408,15 +409,11 @@ class LocalLaunch:
         self.overrides += ["--sync.join_port", str(join)]
         early = self._loads_while_warm_starting()
         if early:
-            for i in range(cfg.launch.generators):
-                self.generators.append(
-                    self._start_generator(i, "--generator.model", self.base_model, "--generator.await_weights", "true")
-                )
+            self._start_generators("--generator.model", self.base_model, "--generator.await_weights", "true")
         model = self._warm_start(self.base_model) if self._warm_starts() else self.base_model
         self.overrides += ["--train.model", model, "--generator.model", model]
         if "generator" in start and not early:
-            for i in range(cfg.launch.generators):
-                self.generators.append(self._start_generator(i))
+            self._start_generators()
             self._wait_generators(cfg.launch.generators)
         if cfg.autoscale.enabled:
             self.autoscaler = self._autoscaler()
@@ -434,6 +431,9 @@ class LocalLaunch:
                 self._service("learner", "torch.distributed.run", *launcher, *flags, env=env)
         if early:
             self._wait_generators(cfg.launch.generators)  # they finish loading while the learner starts
+
+    def _start_generators(self, *extra: str) -> None:
+        self.generators += [self._start_generator(i, *extra) for i in range(self.cfg.launch.generators)]
 
     def _start_generator(self, i: int, *extra: str) -> ServiceHandle:
         acks = self.run_dir / "acks"
