@@ -61,15 +61,19 @@ from flywheel.tiny import build_tokenizer, write_arithmetic_jsonl  # noqa: E402
 SAMPLES_PER_PROMPT = 4
 
 
-def run_config(work: Path, args: argparse.Namespace, generators: int, eta: int) -> dict[str, Any]:
+def run_config(work: Path, args: argparse.Namespace, generators: int, eta: int, learner_speed: float) -> dict[str, Any]:
     """One configuration from a fresh Redis; returns its figures over the measured steps."""
     run = f"fleet-{generators}-{eta}"
     slots_per_gen = max(SAMPLES_PER_PROMPT, args.fleet_seqs // generators)
     fleet_seqs = slots_per_gen * generators
     # A fleet bigger than --fleet-seqs (each generator has one group's slots at least) runs on a
-    # slower clock, so the machine sees the same token rate; the speedup does not depend on the
-    # clock, since the tail and the learner's step scale with it alike.
-    t0 = args.t0 * fleet_seqs / args.fleet_seqs
+    # slower clock, so the machine sees the same token rate; so does a fleet of more than
+    # --full-clock-generators, since each generator costs the machine work of its own (heartbeats,
+    # polls, lease turns: at 512 on the full clock the hub and the engines' processes took both
+    # cores and the fleet ran at 78% of its slots). The speedup and the learner's idle share do
+    # not depend on the clock: the tail, the learner's step and the sync scale with it alike.
+    clock_scale = max(fleet_seqs / args.fleet_seqs, generators / args.full_clock_generators, 1.0)
+    t0 = args.t0 * clock_scale
     groups_per_step = fleet_seqs // SAMPLES_PER_PROMPT  # one batch fills the fleet once
     # A lease is a whole group, done when its longest sample is: an engine holding only as many
     # leases as its slots would idle most of them behind the tail, so it holds more (as a vLLM
@@ -78,7 +82,7 @@ def run_config(work: Path, args: argparse.Namespace, generators: int, eta: int) 
     # The learner trains a batch in the time the full fleet generates one: every engine at full
     # batch makes one token per sequence every t0 + t1 * slots = 2 * t0 seconds.
     fleet_tokens_per_s = fleet_seqs / (2 * t0)
-    learner_tokens_per_s = fleet_tokens_per_s * args.learner_speed
+    learner_tokens_per_s = fleet_tokens_per_s * learner_speed
     redis_server = RedisServer(work / f"redis-{run}")
     state = work / f"hub-{run}.json"
     base = [
@@ -100,18 +104,29 @@ def run_config(work: Path, args: argparse.Namespace, generators: int, eta: int) 
             "--capacity", str(capacity),
             "--t0", str(t0),
             "--t1", str(t0 / slots_per_gen),
-            "--update-s", str(args.update_s),
+            "--update-s", str(args.update_s * clock_scale),
         ]  # fmt: skip
         stats_files, _ = start_fleet(work, f"fleet-{run}-", generators, args.fleet_procs, fleet, services)
         wait_registered(ports["metrics_port"], generators, stats_files, timeout_s=120)
         return learn(
-            args, redis_server, run, eta, groups_per_step, learner_tokens_per_s, ports, hub, stats_files, fleet_seqs
+            args,
+            redis_server,
+            run,
+            eta,
+            groups_per_step,
+            learner_tokens_per_s,
+            ports,
+            hub,
+            stats_files,
+            fleet_seqs,
+            args.sync_s * clock_scale,
         ) | {
             "generators": generators,
             "eta": eta,
             "fleet_seqs": fleet_seqs,
             "groups_per_step": groups_per_step,
             "t0": t0,
+            "clock_scale": clock_scale,
             "learner_tokens_per_s_model": learner_tokens_per_s,
         }
     finally:
@@ -131,16 +146,19 @@ def learn(
     hub: Service,
     stats_files: list[Path],
     fleet_seqs: int,
+    sync_s: float,
 ) -> dict[str, Any]:
     """The learner's loop (``learner.trainer``: claim, claim the next ahead, train, publish the
     version, sync) with the optimizer step replaced by a sleep as long as training the batch's
-    tokens takes at the learner's rate, and the weight sync by ``--sync-s``."""
+    tokens takes at the learner's rate, and the weight sync by ``sync_s``."""
     client = BatchClient(redis_server.client(), run, StalenessPolicy(eta, groups_per_step))
     claims = ClaimsAhead(client, groups_per_step, timeout_s=300)
     hub_proc = psutil.Process(hub.pid)
     waited = trained = 0.0
+    batch_tokens = 0
     staleness: dict[int, int] = {}
     start = fleet0 = hub_cpu0 = None
+    counters0: dict[str, int] = {}
     # Sync steps all look alike (each waits for its batch's longest response), so fewer of them
     # measure it; async ones need more: their buffer fills over tens of steps, and the learner's
     # idle share is what is left of that transient.
@@ -149,7 +167,7 @@ def learn(
         if version == args.warmup:
             start, fleet0 = time.monotonic(), fleet_totals(stats_files)
             hub_cpu0 = sum(hub_proc.cpu_times()[:2])
-            dropped0 = client.counters().get("groups_dropped", 0)
+            counters0 = client.counters()
             waited = trained = 0.0
         t = time.monotonic()
         batch = claims.claim(version)
@@ -160,19 +178,25 @@ def learn(
         t = time.monotonic()
         time.sleep(tokens / learner_tokens_per_s)  # the optimizer step
         client.set_version(version + 1)
-        time.sleep(args.sync_s)  # the weight broadcast
+        time.sleep(sync_s)  # the weight broadcast
         trained += time.monotonic() - t
         if version >= args.warmup:
+            batch_tokens += tokens
             for s in batch.staleness:
                 staleness[s] = staleness.get(s, 0) + 1
     claims.close()
     assert start is not None and fleet0 is not None and hub_cpu0 is not None
     wall = time.monotonic() - start
-    dropped = client.counters().get("groups_dropped", 0) - dropped0
+    counters = client.counters()
+    dropped = counters.get("groups_dropped", 0) - counters0.get("groups_dropped", 0)
+    dropped_generating = counters.get("groups_dropped_generating", 0) - counters0.get("groups_dropped_generating", 0)
     fleet1 = fleet_totals(stats_files)
     window = fleet1["time"] - fleet0["time"]
     return {
         "steps": steps,
+        # response tokens a step trains on: the bound's drops take the groups holding the longest
+        # responses, so an async step trains on fewer tokens than a sync one (and takes less time)
+        "tokens_per_step": batch_tokens / steps,
         "wall_s": wall,
         "step_s": wall / steps,
         "learner_idle_frac": waited / wall,
@@ -185,6 +209,8 @@ def learn(
         # groups generated and then found too stale to train on: fleet work lost to the bound
         "groups_dropped": dropped,
         "dropped_frac": dropped / max(dropped + steps * groups_per_step, 1),
+        # of those, revoked while still generating (the rest were found too stale at a claim)
+        "groups_dropped_generating": dropped_generating,
     }
 
 
@@ -192,33 +218,49 @@ def sim_part(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="flywheel-fleet-"))
     args.tokenizer = build_tokenizer(work / "tokenizer")
     args.data = write_arithmetic_jsonl(work / "prompts.jsonl", 4000)
-    rows = []
     print("simulated fleet (sync = the same system at eta 0)")
+    rows = sweep(work, args, args.generators, args.etas, args.learner_speed)
+    areal = [r for r in rows if r["eta"] >= 4 and r["speedup_vs_sync"]]  # η = 4-8: AReaL's range
+    # The learner's idle share at η = 4 hangs on how far the fleet outruns the learner: there the
+    # bound drops the groups that hold the longest responses (about a fifth of the tokens made),
+    # so the same sweep at other learner speeds shows where it crosses 5%.
+    sensitivity = []
+    for speed in args.sensitivity_speeds:
+        print(f"learner at {speed:g} of the fleet's nominal rate")
+        sensitivity += sweep(work, args, args.generators[:1], [0, *args.sensitivity_etas], speed)
+    return {
+        "speedup_sim": min((r["speedup_vs_sync"] for r in areal), default=None),
+        "learner_idle_sim": max((r["learner_idle_frac"] for r in areal), default=None),
+        "rows": rows,
+        "sensitivity": sensitivity,
+    }
+
+
+def sweep(
+    work: Path, args: argparse.Namespace, generators: list[int], etas: list[int], speed: float
+) -> list[dict[str, Any]]:
+    """Every fleet size at every η, the learner at ``speed`` of the fleet's nominal rate; prints a row each."""
     print(
         f"{'gens':>5} {'eta':>3} {'s/step':>7} {'speedup':>7} {'learner idle':>12} {'occupancy':>10} {'tok/s':>8} {'hub cpu':>7} {'dropped':>7}  staleness"
     )
-    for gens in args.generators:
+    rows = []
+    for gens in generators:
         sync_step = None
-        for eta in args.etas:
-            row = run_config(work, args, gens, eta)
+        for eta in etas:
+            row = run_config(work, args, gens, eta, speed) | {"learner_speed": speed}
             if eta == 0:
                 sync_step = row["step_s"]
             row["speedup_vs_sync"] = sync_step / row["step_s"] if sync_step else None
             rows.append(row)
-            speed = f"{row['speedup_vs_sync']:.2f}x" if eta and row["speedup_vs_sync"] else "-"
+            shown = f"{row['speedup_vs_sync']:.2f}x" if eta and row["speedup_vs_sync"] else "-"
             print(
-                f"{gens:>5} {eta:>3} {row['step_s']:>7.3f} {speed:>7} {row['learner_idle_frac']:>12.1%} "
+                f"{gens:>5} {eta:>3} {row['step_s']:>7.3f} {shown:>7} {row['learner_idle_frac']:>12.1%} "
                 f"{row['fleet_occupancy']:>10.1%} {row['fleet_tokens_per_s']:>8.0f} {row['hub_cpu_frac']:>7.0%} "
                 f"{row['dropped_frac']:>7.1%}  "
                 f"{row['staleness_histogram']}",
                 flush=True,
             )
-    areal = [r for r in rows if r["eta"] >= 4 and r["speedup_vs_sync"]]  # η = 4-8: AReaL's range
-    return {
-        "speedup_sim": min((r["speedup_vs_sync"] for r in areal), default=None),
-        "learner_idle_sim": max((r["learner_idle_frac"] for r in areal), default=None),
-        "rows": rows,
-    }
+    return rows
 
 
 def placement_flags(split: bool) -> list[str]:
@@ -353,7 +395,21 @@ def main() -> int:
     p.add_argument("--fleet-seqs", type=int, default=1024, help="sequence slots of the whole fleet")
     p.add_argument("--max-tokens", type=int, default=160, help="response cap (10x the median)")
     p.add_argument("--t0", type=float, default=0.02, help="an engine's decode step with nothing running, s")
+    p.add_argument(
+        "--full-clock-generators",
+        type=int,
+        default=128,
+        help="larger fleets run on a clock slower in proportion (this machine's cores host them all)",
+    )
     p.add_argument("--learner-speed", type=float, default=0.8, help="learner tokens/s over the full fleet's")
+    p.add_argument(
+        "--sensitivity-speeds",
+        type=float,
+        nargs="*",
+        default=[0.7],
+        help="after the sweep: the smallest fleet again at these learner speeds (at eta 0 and --sensitivity-etas)",
+    )
+    p.add_argument("--sensitivity-etas", type=int, nargs="+", default=[4])
     p.add_argument("--oversubscribe", type=float, default=2.0, help="sequences leased per engine slot")
     p.add_argument("--update-s", type=float, default=0.02, help="a generator's weight-update pause")
     p.add_argument("--sync-s", type=float, default=0.01, help="the learner's weight broadcast")
@@ -366,6 +422,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped: still stop what it started
     if args.quick:
         args.sim, args.generators, args.etas, args.steps, args.warmup, args.fleet_seqs = True, [8], [0, 4], 6, 2, 128
+        args.sensitivity_speeds = []
     if not (args.sim or args.real):
         p.error("choose --sim, --real or both (or --quick)")
     out = Path(args.out)
@@ -387,6 +444,7 @@ def main() -> int:
     if args.sim:
         sim = sim_part(args)
         result["sim"] = sim.pop("rows")
+        result["sim_sensitivity"] = sim.pop("sensitivity")
         result["headline"].update(sim)
         result["sim_config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     result["machine"] = {"cpus": psutil.cpu_count(), "platform": platform.platform()}
