@@ -24,6 +24,9 @@ that the learner, the side that must not wait, is the bottleneck (an engine's st
 so whole-group leases do not idle it behind their longest sample). Sync is the same system at
 η = 0 (each batch generated wholly by the learner's current weights, so every step waits for its
 longest response); the speedup at η is the sync seconds per learner step over the async ones.
+Fleets of more than ``--full-clock-generators`` run on a clock slower in proportion (this
+machine's two cores host every engine); after the sweep, the smallest fleet runs again with the
+learner at ``--sensitivity-speeds`` of the fleet's rate (``sim_sensitivity`` in the JSON).
 
     python bench/async_vs_sync.py --sim --real      # the full benchmark (about 50 minutes on 2 cores)
     python bench/async_vs_sync.py --quick           # under a minute: a small fleet at η = 0 and 4
@@ -63,7 +66,7 @@ SAMPLES_PER_PROMPT = 4
 
 def run_config(work: Path, args: argparse.Namespace, generators: int, eta: int, learner_speed: float) -> dict[str, Any]:
     """One configuration from a fresh Redis; returns its figures over the measured steps."""
-    run = f"fleet-{generators}-{eta}"
+    run = f"fleet-{generators}-{eta}-{learner_speed:g}"  # a fresh Redis, hub state and stats each
     slots_per_gen = max(SAMPLES_PER_PROMPT, args.fleet_seqs // generators)
     fleet_seqs = slots_per_gen * generators
     # A fleet bigger than --fleet-seqs (each generator has one group's slots at least) runs on a
@@ -160,11 +163,14 @@ def learn(
     start = fleet0 = hub_cpu0 = None
     counters0: dict[str, int] = {}
     # Sync steps all look alike (each waits for its batch's longest response), so fewer of them
-    # measure it; async ones need more: their buffer fills over tens of steps, and the learner's
-    # idle share is what is left of that transient.
-    steps = args.sync_steps if eta == 0 and args.sync_steps else args.steps
-    for version in range(args.warmup + steps):
-        if version == args.warmup:
+    # measure it, after less warm-up (the first batch is the only one unlike the rest); async
+    # ones need more: their buffer fills over tens of steps, and the learner's idle share is what
+    # is left of that transient.
+    sync = eta == 0 and args.sync_steps > 0
+    steps = args.sync_steps if sync else args.steps
+    warmup = min(args.warmup, 2) if sync else args.warmup
+    for version in range(warmup + steps):
+        if version == warmup:
             start, fleet0 = time.monotonic(), fleet_totals(stats_files)
             hub_cpu0 = sum(hub_proc.cpu_times()[:2])
             counters0 = client.counters()
@@ -172,7 +178,7 @@ def learn(
         t = time.monotonic()
         batch = claims.claim(version)
         waited += time.monotonic() - t
-        if version + 1 < args.warmup + steps:
+        if version + 1 < warmup + steps:
             claims.claim_ahead(version + 1)  # as the learner does: loads while the step trains
         tokens = sum(len(s.tokens) for g in batch.groups for s in g.samples)
         t = time.monotonic()
@@ -180,7 +186,7 @@ def learn(
         client.set_version(version + 1)
         time.sleep(sync_s)  # the weight broadcast
         trained += time.monotonic() - t
-        if version >= args.warmup:
+        if version >= warmup:
             batch_tokens += tokens
             for s in batch.staleness:
                 staleness[s] = staleness.get(s, 0) + 1
