@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flywheel.wire import unpack_i32
 from reward_service.builtins import BatchError
 from reward_service.registry import RewardFunction, resolve
 
@@ -30,8 +31,10 @@ class Item:
     """One sample to score, as a worker receives it."""
 
     key: tuple[int, int]  # (group id, sample index)
-    prompt_ids: list[int]
-    completion_ids: list[int]
+    # Packed int32, as they came off the wire: bytes pickle to the worker as one copy, where
+    # lists of a few thousand ints cost the service process more than the scoring itself.
+    prompt_tokens: bytes
+    completion_tokens: bytes
     finish_reason: str
     metadata: dict[str, Any]
 
@@ -85,8 +88,8 @@ class Scorer:
 
     def _batch(self, items: list[Item]) -> dict[str, Any]:
         decode = self.decode or (lambda ids: [""] * len(ids))
-        prompt_ids = [it.prompt_ids for it in items]
-        completion_ids = [it.completion_ids for it in items]
+        prompt_ids = [unpack_i32(it.prompt_tokens).tolist() for it in items]
+        completion_ids = [unpack_i32(it.completion_tokens).tolist() for it in items]
         return {
             "prompts": decode(prompt_ids),
             "completions": decode(completion_ids),

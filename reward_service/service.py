@@ -15,12 +15,11 @@ import math
 import time
 from collections import Counter, deque
 
-import numpy as np
 import zmq
 
 from flywheel.config import RewardConfig, SecurityConfig
 from flywheel.netsec import curve_client
-from flywheel.wire import Decoder, Rejections, RewardRegister, Score, ScoreRequest, WireError, encode, unpack_i32
+from flywheel.wire import Decoder, Rejections, RewardRegister, Score, ScoreRequest, WireError, encode
 from reward_service.pool import WorkerPool
 from reward_service.scoring import Item, Outcome
 
@@ -105,8 +104,8 @@ class RewardService:
             self.queue.append(
                 Item(
                     key=(req.group_id, req.sample),
-                    prompt_ids=np.asarray(unpack_i32(req.prompt_tokens)).tolist(),
-                    completion_ids=np.asarray(unpack_i32(req.response_tokens)).tolist(),
+                    prompt_tokens=req.prompt_tokens,
+                    completion_tokens=req.response_tokens,
                     finish_reason=req.finish_reason,
                     metadata=dict(req.metadata),
                 )

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from flywheel.wire import pack_i32
 from reward_service import builtins as b
 from reward_service.registry import builtin_names, resolve
 from reward_service.scoring import FunctionSpec, Item, Scorer
@@ -77,7 +78,10 @@ def test_registry_names_and_import_paths() -> None:
 
 
 def items(lengths: list[int]) -> list[Item]:
-    return [Item((0, i), [5, 6], list(range(7, 7 + n)), "stop", {"answer": "8"}) for i, n in enumerate(lengths)]
+    return [
+        Item((0, i), pack_i32([5, 6]), pack_i32(range(7, 7 + n)), "stop", {"answer": "8"})
+        for i, n in enumerate(lengths)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +135,11 @@ def test_scorer_needs_a_tokenizer_only_for_text(tok: str) -> None:
         Scorer([FunctionSpec("math", 1.0, {})], tok, {}).decode([enc.encode("What is 3 + 5? Answer: 8</s>")]) == hf_text
     )
     s = Scorer([FunctionSpec("arithmetic", 1.0, {}), FunctionSpec("math", 1.0, {})], tok, {})
-    it = [Item((0, 0), enc.encode("What is 3 + 5? Answer:"), enc.encode(" 8"), "stop", {"answer": "8"})]
+    it = [
+        Item(
+            (0, 0), pack_i32(enc.encode("What is 3 + 5? Answer:")), pack_i32(enc.encode(" 8")), "stop", {"answer": "8"}
+        )
+    ]
     assert s.score(it)[0].reward == 2.0
 
 
