@@ -130,6 +130,7 @@ def run_config(work: Path, args: argparse.Namespace, generators: int, eta: int, 
             "groups_per_step": groups_per_step,
             "t0": t0,
             "clock_scale": clock_scale,
+            "learner_speed": learner_speed,
             "learner_tokens_per_s_model": learner_tokens_per_s,
         }
     finally:
@@ -194,8 +195,11 @@ def learn(
     assert start is not None and fleet0 is not None and hub_cpu0 is not None
     wall = time.monotonic() - start
     counters = client.counters()
-    dropped = counters.get("groups_dropped", 0) - counters0.get("groups_dropped", 0)
-    dropped_generating = counters.get("groups_dropped_generating", 0) - counters0.get("groups_dropped_generating", 0)
+
+    def counted(name: str) -> int:  # over the measured steps
+        return counters.get(name, 0) - counters0.get(name, 0)
+
+    dropped, dropped_generating = counted("groups_dropped"), counted("groups_dropped_generating")
     fleet1 = fleet_totals(stats_files)
     window = fleet1["time"] - fleet0["time"]
     return {
@@ -253,7 +257,7 @@ def sweep(
     for gens in generators:
         sync_step = None
         for eta in etas:
-            row = run_config(work, args, gens, eta, speed) | {"learner_speed": speed}
+            row = run_config(work, args, gens, eta, speed)
             if eta == 0:
                 sync_step = row["step_s"]
             row["speedup_vs_sync"] = sync_step / row["step_s"] if sync_step else None
