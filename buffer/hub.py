@@ -93,6 +93,7 @@ class Hub:
         self.learner_version = 0
         self.groups_issued = 0
         self.groups_dropped = 0
+        self.claim_floor = -1  # the oldest version the learner's newest claim accepted (flywheel.store)
         self._admission_said_no = False
         self._blocked_at: float | None = None
         self.next_lease_id = 0
@@ -240,9 +241,10 @@ class Hub:
             # The learner's version and drop count ride along with the turn's write.
             self._pipe.get(self.keys.version)
             self._pipe.hget(self.keys.counters, "groups_dropped")
+            self._pipe.get(self.keys.claim_floor)
             with WATCHDOG.wait("hub write to Redis", self.cfg.run.watchdog_s):
-                *_, version, dropped = self._pipe.execute()
-            self.learner_version, self.groups_dropped = int(version or 0), int(dropped or 0)
+                *_, version, dropped, claim_floor = self._pipe.execute()
+            self._note_learner_state(version, dropped, claim_floor)
             self._refreshed = self._turn_started
             elapsed = time.monotonic() - self._turn_started
             if self._acks:
@@ -593,14 +595,18 @@ class Hub:
             self._log_stats()
 
     def _refresh_learner_state(self) -> None:
-        version, dropped = (
-            self.redis.pipeline(transaction=False)
+        self._note_learner_state(
+            *self.redis.pipeline(transaction=False)
             .get(self.keys.version)
             .hget(self.keys.counters, "groups_dropped")
+            .get(self.keys.claim_floor)
             .execute()
         )
+
+    def _note_learner_state(self, version: bytes | None, dropped: bytes | None, claim_floor: bytes | None) -> None:
         self.learner_version = int(version or 0)
         self.groups_dropped = int(dropped or 0)
+        self.claim_floor = int(claim_floor or -1)
 
     def _reap_dropped(self) -> None:
         """Clean up groups a learner dropped as too stale; re-queue their prompts if configured."""
@@ -619,10 +625,11 @@ class Hub:
         log.info("%d groups dropped as too stale (requeue=%s)", len(gids), self.cfg.async_.requeue_stale)
 
     def _drop_doomed(self) -> None:
-        """Drop every group still generating that already holds a token older than v - η: the
+        """Drop every group still generating that already holds a token older than any claim
+        will accept (v - η, or v + 1 - η once the learner has claimed its next batch ahead): the
         learner could only ever drop it at its claim, after the generators had finished it. Its
         leases are revoked at once and the staleness bound admits a fresh group in its place."""
-        floor = self.policy.min_version(self.learner_version)
+        floor = self.policy.doom_floor(self.learner_version, self.claim_floor)
         if floor <= self._doom_floor:  # checked at each version the learner reaches, once
             return
         self._doom_floor = floor

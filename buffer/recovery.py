@@ -39,6 +39,7 @@ def load(hub: Hub) -> None:
     hub.epoch, hub.cursor = source.get("epoch", 0), source.get("cursor", 0)
     hub.requeued_prompts.extend(int(i) for i in r.lrange(k.requeue, 0, -1))
     hub.learner_version = int(r.get(k.version) or 0)
+    hub.claim_floor = int(r.get(k.claim_floor) or -1)
 
     now = time.monotonic()
     for raw in r.hvals(k.generators):

@@ -132,7 +132,7 @@ class BatchClient:
         """One atomic claim: ([(group id, version)], dropped count); empty if fewer than n ready."""
         k = self.keys
         dropped, popped = self._claim(
-            keys=[k.ready, k.counters, k.consumed, k.staleness, k.dropped],
+            keys=[k.ready, k.counters, k.consumed, k.staleness, k.dropped, k.claim_floor],
             args=[n_groups, learner_version, self.policy.max_staleness],
         )
         pairs = [(int(popped[i]), int(float(popped[i + 1]))) for i in range(0, len(popped), 2)]

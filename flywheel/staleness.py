@@ -64,6 +64,13 @@ class StalenessPolicy:
         a generator must serve to take a lease)."""
         return max(0, learner_version - self.max_staleness)
 
+    def doom_floor(self, learner_version: int, claim_floor: int) -> int:
+        """The oldest version a group may still hold and be trained on: ``min_version`` of the
+        learner's version, or one version on once the learner has claimed its next batch ahead
+        (``claim_floor``, what that claim accepted). A claim floor further ahead than that is
+        a learner restarted at an older version: it counts only up to the next version's."""
+        return max(self.min_version(learner_version), min(claim_floor, self.min_version(learner_version + 1)))
+
     def admission_limit(self, learner_version: int) -> int:
         """How many groups may be issued (net of drops) while the learner is at this version."""
         return (learner_version + self.max_staleness + 1) * self.groups_per_step

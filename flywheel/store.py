@@ -50,6 +50,7 @@ class RunKeys:
         self.generators = f"{tag}:generators"
         self.source = f"{tag}:source"
         self.requeue = f"{tag}:requeue"
+        self.claim_floor = f"{tag}:claim_floor"  # the oldest version the newest claim accepted
         self._group_prefix = f"fw:{run}:g:{{{run}:"
 
     def group(self, group_id: int) -> str:
@@ -68,6 +69,7 @@ class RunKeys:
             self.generators,
             self.source,
             self.requeue,
+            self.claim_floor,
         ]
 
 
@@ -201,6 +203,11 @@ CLAIM_SCRIPT = """
 local n = tonumber(ARGV[1])
 local v = tonumber(ARGV[2])
 local floor = v - tonumber(ARGV[3])
+-- Remembered for the hub: a group older than this can no longer be claimed, ready or not
+-- (a learner claiming ahead claims for v + 1 while it still publishes v).
+if floor > tonumber(redis.call('GET', KEYS[6]) or '-1') then
+  redis.call('SET', KEYS[6], floor)
+end
 local stale = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. floor)
 for _, gid in ipairs(stale) do
   redis.call('ZREM', KEYS[1], gid)

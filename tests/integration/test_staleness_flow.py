@@ -172,3 +172,28 @@ def test_a_group_too_stale_while_generating_is_dropped_and_its_lease_revoked(clu
     gen.link.set_weight_version(2)
     again = gen.wait_lease()
     assert again.group_id != lease.group_id and again.prompt_tokens == lease.prompt_tokens
+
+
+def test_a_claim_made_ahead_dooms_what_it_could_not_take(cluster: Cluster) -> None:
+    """η = 1, learner at v1: a group holding a v0 token may still be trained at v1. Once the
+    learner claims its v2 batch ahead (while it still publishes v1), nothing older than v1 can be
+    claimed again: the hub drops the group then, a step before the learner publishes v2."""
+    cluster.start_hub(
+        "--async.max_staleness", "1",
+        "--async.groups_per_step", "1",
+        "--data.n_samples_per_prompt", "2",
+    )  # fmt: skip
+    client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(1, 1))
+    client.set_version(1)
+    gen = HandGenerator(cluster.gen_address, "hand")
+    gen.register(version=0)
+    lease = gen.wait_lease()
+    gen.send(make_chunk(lease, 0, 0, version=0, final=False))
+    pump_until(gen, lambda: gen.acked == 1, "the first chunk acknowledged")
+    assert client.try_claim(1, 1) == ([], 0)  # a claim for v1 still accepts it
+    gen.pump(0.5)  # many housekeeping periods
+    assert lease.lease_id not in gen.revoked
+    assert client.try_claim(1, 2) == ([], 0)  # the claim ahead for v2: nothing ready yet
+    pump_until(gen, lambda: lease.lease_id in gen.revoked, "the group the claim ahead dooms revoked")
+    assert client.get_version() == 1
+    assert client.counters()["groups_dropped_generating"] == 1

@@ -29,6 +29,16 @@ def test_min_version_never_negative() -> None:
     assert StalenessPolicy(4, 1).min_version(2) == 0
 
 
+def test_doom_floor_follows_a_claim_ahead_by_one_version_at_most() -> None:
+    p = StalenessPolicy(4, 1)
+    assert p.doom_floor(10, -1) == 6  # no claim yet
+    assert p.doom_floor(10, 6) == 6  # the claim for v10
+    assert p.doom_floor(10, 7) == 7  # the claim ahead for v11
+    assert p.doom_floor(10, 30) == 7  # a learner restarted at v10 after claiming for v34
+    assert p.doom_floor(2, 0) == 0  # never below 0
+    assert StalenessPolicy(0, 1).doom_floor(5, 5) == 5  # η = 0 claims nothing ahead
+
+
 def test_lifecycle() -> None:
     s = GroupState.ISSUED
     for nxt in (
