@@ -148,8 +148,9 @@ class AsyncConfig(_Section):
     )
     revoke_stale: bool = Field(
         True,
-        description="Drop a group the moment its oldest token is more than η versions behind the learner, "
-        "revoking the leases still generating it (it could only ever be dropped at consumption): generators "
+        description="Drop a group the moment its oldest token is more than η versions behind the learner "
+        "(or behind the batch it has claimed ahead), revoking the leases still generating it (it could only "
+        "ever be dropped at consumption): generators "
         "stop spending time on it and the staleness bound admits a fresh group in its place.",
     )
     sync_every: int = Field(
