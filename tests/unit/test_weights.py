@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -68,13 +69,16 @@ def test_bad_layouts_are_refused_before_any_allocation() -> None:
         list(unpack_bucket(torch.empty(5, dtype=torch.uint8), ok))
 
 
-def _receiver(port: int, ready_bytes: bytes, out: mp.Queue) -> None:  # type: ignore[type-arg]
+def _receiver(port: int, ready_bytes: bytes, out: mp.Queue, taken: Any) -> None:  # type: ignore[type-arg]
     from flywheel.wire import Decoder
 
     ready = Decoder(WeightsReady).decode(ready_bytes)
     assert isinstance(ready, WeightsReady)
     group = join_group("gloo", "127.0.0.1", port, 1, 2, ready.epoch, 30)
     out.put({name: t.clone() for name, t in receive(group, ready)})
+    # Tensors cross the queue as shared-memory handles this process serves: it must outlive the
+    # parent's unpickling, or the parent finds the handle's socket gone.
+    taken.wait(60)
     group.close()
 
 
@@ -97,13 +101,15 @@ def test_two_processes_broadcast_every_bucket() -> None:
     )
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
-    proc = ctx.Process(target=_receiver, args=(store.port, encode(ready), out))
+    taken = ctx.Event()
+    proc = ctx.Process(target=_receiver, args=(store.port, encode(ready), out, taken))
     proc.start()
     try:
         group = join_group("gloo", "127.0.0.1", store.port, 0, 2, 7, 30, store=store)
         send(group, buckets, tensors)
         got = out.get(timeout=60)
     finally:
+        taken.set()
         proc.join(timeout=30)
     assert proc.exitcode == 0
     assert got.keys() == tensors.keys()
