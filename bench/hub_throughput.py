@@ -175,6 +175,10 @@ def run_flywheel(
             "duplicates": after["flywheel_hub_duplicate_chunks_total"],
             "hub_turn_ms_p50": after["flywheel_hub_turn_durable_ms_p50"],
             "hub_turn_ms_p99": after["flywheel_hub_turn_durable_ms_p99"],
+            "hub_write_ms_p50": after["flywheel_hub_turn_write_ms_p50"],
+            "hub_write_ms_p99": after["flywheel_hub_turn_write_ms_p99"],
+            "hub_turn_chunks_p50": after["flywheel_hub_turn_chunks_p50"],
+            "hub_turn_chunks_p99": after["flywheel_hub_turn_chunks_p99"],
             "hub_gc_pause_ms_max": after.get("flywheel_hub_gc_pause_ms_max", 0.0),
             "hub_gc_collections": after.get("flywheel_hub_gc_collections_total", 0.0)
             - before.get("flywheel_hub_gc_collections_total", 0.0),

@@ -242,13 +242,15 @@ class Hub:
             self._pipe.get(self.keys.version)
             self._pipe.hget(self.keys.counters, "groups_dropped")
             self._pipe.get(self.keys.claim_floor)
+            write_started = time.monotonic()
             with WATCHDOG.wait("hub write to Redis", self.cfg.run.watchdog_s):
                 *_, version, dropped, claim_floor = self._pipe.execute()
             self._note_learner_state(version, dropped, claim_floor)
             self._refreshed = self._turn_started
-            elapsed = time.monotonic() - self._turn_started
             if self._acks:
-                self.stats.note_durable(elapsed)
+                now = time.monotonic()
+                chunks = sum(len(acked) for acked in self._acks.values()) // 3
+                self.stats.note_durable(now - self._turn_started, now - write_started, chunks)
         for identity, acked in self._acks.items():
             arr = np.array(acked, dtype=np.int64).reshape(-1, 3)
             msg = ChunkAck(
@@ -878,6 +880,10 @@ class Hub:
             "ingest_chunks_per_s": self.ingest_rates["chunks"],
             "turn_durable_ms_p50": s.durable_ms(50),
             "turn_durable_ms_p99": s.durable_ms(99),
+            "turn_write_ms_p50": s.write_ms(50),
+            "turn_write_ms_p99": s.write_ms(99),
+            "turn_chunks_p50": s.turn_chunks(50),
+            "turn_chunks_p99": s.turn_chunks(99),
             "gc_pause_ms_p99": s.gc_pause_ms(99),
             "gc_pause_ms_max": max(s.gc_pauses_s, default=0.0) * 1000,
             "data_exhausted": int(self.source.exhausted(self.epoch) and not self.requeued_prompts),

@@ -37,16 +37,22 @@ class HubStats:
     groups_dropped_reward: int = 0  # dropped for a failed score (reward.on_error drop_group)
     groups_dropped_generating: int = 0  # already too stale while generating (async.revoke_stale)
     admission_blocked_s: float = 0.0  # generators had free slots the staleness bound kept empty
-    # seconds from the start of a turn that took chunks to its Redis write returning (recent turns)
+    # seconds from the start of a turn that took chunks to its Redis write returning (recent turns),
+    # how long of that the write itself took, and how many chunks the turn acknowledged: a slow
+    # turn's cause (Redis, or the pile-up of frames behind the turn before it) reads off these
     durable_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    write_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    chunks_per_turn: deque[int] = field(default_factory=lambda: deque(maxlen=10_000))
 
     # the cyclic garbage collector's pauses (recent ones): a pause stalls every turn behind it
     gc_pauses_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     gc_collections: int = 0
     _gc_started: float = 0.0
 
-    def note_durable(self, seconds: float) -> None:
+    def note_durable(self, seconds: float, write_seconds: float, chunks: int) -> None:
         self.durable_s.append(seconds)
+        self.write_s.append(write_seconds)
+        self.chunks_per_turn.append(chunks)
 
     def watch_gc(self) -> None:
         """Time every collection of the cyclic GC (``gc.callbacks``)."""
@@ -64,6 +70,12 @@ class HubStats:
 
     def durable_ms(self, q: float) -> float:
         return float(np.percentile(np.asarray(self.durable_s), q) * 1000) if self.durable_s else 0.0
+
+    def write_ms(self, q: float) -> float:
+        return float(np.percentile(np.asarray(self.write_s), q) * 1000) if self.write_s else 0.0
+
+    def turn_chunks(self, q: float) -> float:
+        return float(np.percentile(np.asarray(self.chunks_per_turn), q)) if self.chunks_per_turn else 0.0
 
 
 class RejectLog:

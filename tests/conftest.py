@@ -166,7 +166,7 @@ class Cluster:
         body = urllib.request.urlopen(url, timeout=5).read().decode()
         out = {}
         for line in body.splitlines():
-            m = re.match(r"^(flywheel_hub_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+            m = re.match(r"^(flywheel_hub_[a-z0-9_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
             if m:
                 out[m.group(1)] = float(m.group(2))
         return out

@@ -214,6 +214,9 @@ def test_metrics_endpoint_reports_queues_and_rates(cluster: Cluster) -> None:
     ):
         assert key in m, key
     assert m["flywheel_hub_tokens_in_total"] > 0
+    # the anatomy of a turn that acknowledged chunks: its Redis write is part of it
+    assert m["flywheel_hub_turn_chunks_p50"] >= 1
+    assert 0 < m["flywheel_hub_turn_write_ms_p50"] <= m["flywheel_hub_turn_durable_ms_p99"]
     keys = RunKeys("flywheel")
     assert cluster.redis.client().config_get("appendonly")["appendonly"] == "yes"
     assert cluster.redis.client().exists(keys.counters)
