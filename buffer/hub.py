@@ -22,6 +22,7 @@ import zmq
 from buffer.prompts import PromptSource
 from buffer.state import ActiveLease, GeneratorInfo, OpenGroup, RewardWorker, SampleAssembly
 from buffer.stats import HubStats, RateMeter, RejectLog, start_metrics_server
+from buffer.turn_write import TurnWrite
 from flywheel.config import FlywheelConfig
 from flywheel.netsec import curve_server, refused_peers
 from flywheel.staleness import GroupState, StalenessPolicy
@@ -109,7 +110,7 @@ class Hub:
         self.reward_workers: dict[bytes, RewardWorker] = {}
 
         # per-turn output, flushed after the Redis write
-        self._pipe = client.pipeline(transaction=True)
+        self._pipe = TurnWrite(client)
         # samples that accepted chunks this turn; at flush each writes them as one blob (one
         # HSET per group)
         self._dirty: list[tuple[int, int, SampleAssembly]] = []
