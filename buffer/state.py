@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flywheel.staleness import GroupState, advance
-from flywheel.store import GeneratorRecord, GroupMeta, LeaseRecord, SampleDone, StoredScore, assemble
+from flywheel.store import GeneratorRecord, GroupMeta, LeaseRecord, SampleDone, StoredScore
 from flywheel.wire import Chunk, unpack_i32
 
 
@@ -42,18 +42,20 @@ class SampleAssembly:
     def complete(self) -> SampleDone:
         """Assemble the response (for scoring) and mark the sample done; chunks stay stored."""
         assert self.final_seq is not None
-        sample = assemble(self.chunks, self.final_seq + 1)
-        versions = unpack_i32(sample.versions)
-        finish = self.chunks[self.final_seq].finish_reason
+        # Only the tokens (for scoring) and the oldest version are needed here: the log-probs
+        # stay in Redis for the learner, unjoined (this runs for every sample, on the hub's loop).
+        ordered = [self.chunks[seq] for seq in range(self.final_seq + 1)]
+        versions = unpack_i32(b"".join([c.versions for c in ordered]))
+        finish = ordered[-1].finish_reason
         assert finish is not None
         self.done = SampleDone(
             finish_reason=finish,
             lease_id=self.lease_id,
-            n_chunks=self.final_seq + 1,
+            n_chunks=len(ordered),
             n_tokens=len(versions),
             version=int(versions.min()) if len(versions) else 0,
         )
-        self.response = sample.tokens
+        self.response = b"".join([c.tokens for c in ordered])
         self.chunks = {}
         return self.done
 

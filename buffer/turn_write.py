@@ -60,10 +60,8 @@ class TurnWrite:
         parts = self._parts
         parts.append(b"*%d\r\n" % len(args))
         for value in args:
-            raw = _arg(value)
-            parts.append(b"$%d\r\n" % len(raw))
-            parts.append(raw)
-            parts.append(b"\r\n")
+            raw = value if value.__class__ is bytes else _arg(value)  # most arguments are bytes already
+            parts += (b"$%d\r\n" % len(raw), raw, b"\r\n")
         self._count += 1
 
     # ------------------------------------------------------------------ the commands a turn uses

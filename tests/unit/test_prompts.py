@@ -65,6 +65,27 @@ def test_tokenize_chat_template_truncation_metadata(sources: dict[str, Path], to
     assert len(short.prompt(0, 0).tokens) == 3 and short.truncated == 1
 
 
+def test_each_prompt_is_tokenized_once_and_the_cache_is_bounded(
+    sources: dict[str, Path], tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import buffer.prompts
+
+    src = PromptSource.from_config(DataConfig(path=str(sources["jsonl"]), tokenizer=str(tokenizer_dir)))
+    calls: list[int] = []
+    tokenize = src._tokenize
+    monkeypatch.setattr(src, "_tokenize", lambda row: calls.append(1) or tokenize(row))
+    monkeypatch.setattr(buffer.prompts, "PROMPT_CACHE", 4)
+    first = src.prompt(3, 0)
+    again = src.prompt(3, 1)  # another epoch, or a re-queue: the same ids, not tokenized again
+    assert again.tokens is first.tokens and len(calls) == 1 and again.epoch == 1
+    with pytest.raises(ValueError):
+        first.tokens[0] = 0  # shared by every group of the prompt: read-only
+    for i in range(10):
+        src.prompt(i, 0)
+    assert len(src._ids) <= 4
+    assert src.prompt(0, 0).tokens.tolist() == tokenize(src.rows[0]).tolist()
+
+
 def test_bad_sources_say_what_to_fix(tmp_path: Path, tokenizer_dir: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "x"}\n')
