@@ -69,6 +69,9 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.005  # housekeeping period: expiry, dispatch
 REFRESH_S = 0.05  # at most this long between reads of the learner's version / drops
+# Between scans for lapsed leases, silent generators and unanswered scores: each scan walks all
+# of them, and their timeouts are seconds, so scanning at every tick was pure cost at scale.
+EXPIRY_S = 0.1
 
 
 class Hub:
@@ -132,6 +135,7 @@ class Hub:
         self._turn_items = 0
         self._refreshed = 0.0
         self._last_reap = 0.0
+        self._last_expiry = 0.0
         self._doom_floor = 0  # the oldest version a group may hold, when groups were last checked
         # leases revoked with their doomed group, and those groups: what their generators and
         # reward workers still send for them is expected, counted quietly and not stored
@@ -404,7 +408,8 @@ class Hub:
                     self._reject_chunk(identity, c, reason)
                     continue
             sample.chunks[seq] = c
-            sample.note_chunk_version(c.versions)
+            if sample.oldest is None:
+                sample.note_chunk_version(c.versions)
             if not sample.pending:
                 dirty.append((c.group_id, c.sample, sample))
             sample.pending.append(c)
@@ -591,8 +596,10 @@ class Hub:
             self._reap_dropped()
         if self.cfg.async_.revoke_stale:
             self._drop_doomed()
-        self._expire(now)
-        self._expire_scores(now)
+        if now - self._last_expiry >= EXPIRY_S:
+            self._last_expiry = now
+            self._expire(now)
+            self._expire_scores(now)
         if now - self._last_stats >= self.hcfg.stats_interval_s:
             self._last_stats = now
             self._log_stats()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 from flywheel.staleness import GroupState, advance
 from flywheel.store import GeneratorRecord, GroupMeta, LeaseRecord, SampleDone, StoredScore
 from flywheel.wire import Chunk, unpack_i32
+
+_first_i32 = struct.Struct("<i").unpack_from
 
 
 @dataclass
@@ -21,15 +24,15 @@ class SampleAssembly:
     done: SampleDone | None = None  # set once every chunk up to the final one is in
     response: bytes | None = None  # packed tokens, kept only until the sample is scored
     score: StoredScore | None = None
-    oldest: int | None = None  # oldest token version among the chunks accepted so far
+    oldest: int | None = None  # version of the first token accepted: the oldest (note_chunk_version)
 
     def note_chunk_version(self, versions: bytes) -> None:
-        """A chunk's first token is its oldest (versions never decrease inside a sample; were they
-        to, ``oldest`` would only be newer than the truth, and a group found too old still is)."""
+        """Called for the sample's first accepted chunk only (the hot path skips it after): its
+        first token is the sample's oldest, since versions never decrease inside a sample. Were
+        they to, or chunk 0 arrive after a later one, ``oldest`` would only be newer than the
+        truth: a group found too old still is, and ``complete`` takes the exact minimum."""
         if len(versions) >= 4:
-            v = int.from_bytes(versions[:4], "little", signed=True)
-            if self.oldest is None or v < self.oldest:
-                self.oldest = v
+            self.oldest = _first_i32(versions)[0]
 
     @property
     def version(self) -> int:
