@@ -4,7 +4,8 @@ redis-py's pipeline packs each command through its general serializer and sends 
 larger than its buffer cut-off with a syscall of its own; at half load that was a fifth of the
 hub's time (py-spy: packing 11%, sending 11%). A turn only ever writes a handful of command
 kinds with bytes, str or int arguments, so it packs RESP directly into one buffer, sends it
-with one ``sendall`` and parses the replies with the connection's own (hiredis) parser.
+with one ``sendall`` on a connection it keeps, and parses the replies with that connection's
+own (hiredis) parser.
 
 Atomicity is Redis's: the commands sit between MULTI and EXEC, so AOF holds all or none of a
 turn. An error reply fails the write (``TurnWriteError``: the hub stops, and a restarted hub
@@ -50,6 +51,7 @@ class TurnWrite:
 
     def __init__(self, client: redis.Redis) -> None:
         self._pool = client.connection_pool
+        self._conn: Any = None  # the turn's own connection, kept across turns (one thread writes)
         self._parts: list[bytes] = []
         self._count = 0
 
@@ -115,6 +117,13 @@ class TurnWrite:
 
     # ------------------------------------------------------------------ running it
 
+    def close(self) -> None:
+        """Give the connection back to the pool, closed."""
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            conn.disconnect()
+            self._pool.release(conn)
+
     def reset(self) -> None:
         self._parts.clear()
         self._count = 0
@@ -127,7 +136,9 @@ class TurnWrite:
         count = self._count
         payload = b"".join((_MULTI, *self._parts, _EXEC))
         self.reset()
-        conn = self._pool.get_connection()
+        if self._conn is None:
+            self._conn = self._pool.get_connection()
+        conn = self._conn
         try:
             conn.send_packed_command([payload], check_health=False)  # a list: bytes would be iterated
             conn.read_response()  # +OK to MULTI
@@ -142,10 +153,10 @@ class TurnWrite:
             except redis.ResponseError as err:
                 raise TurnWriteError(f"the turn's transaction was aborted: {queued_errors or err}") from err
         except BaseException:
-            conn.disconnect()  # whatever was left unread must not reach the next turn
+            # Whatever was left unread must not reach the next turn: drop the connection (the
+            # next turn opens a fresh one).
+            self.close()
             raise
-        finally:
-            self._pool.release(conn)
         if not isinstance(replies, list) or len(replies) != count:
             raise TurnWriteError(f"EXEC answered {replies!r} for {count} commands")
         failed = [r for r in replies if isinstance(r, redis.ResponseError)]
