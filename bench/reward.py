@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from flywheel.procs import Service, wait_for_state_file  # noqa: E402
 from flywheel.tiny import build_reward_model  # noqa: E402
-from flywheel.wire import Decoder, RewardRegister, Score, ScoreRequest, encode, pack_i32  # noqa: E402
+from flywheel.wire import Decoder, RewardRegister, Score, ScoreBatch, ScoreRequest, encode, pack_i32  # noqa: E402
 
 console = Console(width=140)
 CAPACITY = 256
@@ -75,7 +75,7 @@ class HubSide:
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.decoder = Decoder(RewardRegister | Score)
+        self.decoder = Decoder(RewardRegister | Score | ScoreBatch)
 
     def run(self, requests: list[ScoreRequest], timeout_s: float) -> tuple[float, int, int]:
         """Score every request once; return (seconds from first send to last score, scores, errors)."""
@@ -93,9 +93,10 @@ class HubSide:
                 continue
             _, payload = self.sock.recv_multipart()
             msg = self.decoder.decode(payload)
-            if isinstance(msg, Score):
+            scores = msg.scores if isinstance(msg, ScoreBatch) else [msg] if isinstance(msg, Score) else []
+            for score in scores:
                 scored, inflight = scored + 1, inflight - 1
-                errors += msg.error is not None
+                errors += score.error is not None
         return time.perf_counter() - start, scored, errors
 
     def _wait_register(self, timeout_s: float) -> tuple[bytes, int]:

@@ -56,6 +56,7 @@ from flywheel.wire import (
     RewardRegister,
     SamplingParams,
     Score,
+    ScoreBatch,
     ScoreRequest,
     ToHub,
     WireError,
@@ -232,6 +233,10 @@ class Hub:
             self._on_register(identity, msg)
         elif isinstance(msg, Release) and from_generator:
             self._on_release(identity, msg)
+        elif isinstance(msg, ScoreBatch) and not from_generator:
+            self._turn_items += len(msg.scores)
+            for score in msg.scores:
+                self._on_score(identity, score)
         elif isinstance(msg, Score) and not from_generator:
             self._on_score(identity, msg)
         elif isinstance(msg, RewardRegister) and not from_generator:

@@ -360,6 +360,22 @@ class Score(Message, tag=True):
         _require(math.isfinite(self.reward), "reward", "must be finite")
 
 
+class ScoreBatch(Message, tag=True):
+    """The rewards of a worker batch in one frame (one message per sample cost the hub and the
+    reward service a receive, a decode and a send each)."""
+
+    worker_id: str
+    scores: list[Score]
+
+    def check(self) -> None:
+        _require(len(self.scores) <= 65536, "scores", "at most 65536 scores per batch")
+        for i, score in enumerate(self.scores):
+            try:
+                score.check()
+            except WireError as err:
+                raise WireError(err.reason, f"scores[{i}].{err.field}", err.detail) from None
+
+
 # --------------------------------------------------------------------------- learner → generators
 
 
@@ -442,7 +458,7 @@ class WeightsAck(Message, tag=True):
 
 # --------------------------------------------------------------------------- codec
 
-ToHub = Register | Heartbeat | Chunk | ChunkBatch | Release | RewardRegister | Score
+ToHub = Register | Heartbeat | Chunk | ChunkBatch | Release | RewardRegister | Score | ScoreBatch
 ToGenerator = Lease | ChunkAck | Revoke | RegisterAgain
 ToLearner = SyncJoin | WeightsAck
 

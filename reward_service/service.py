@@ -19,7 +19,7 @@ import zmq
 
 from flywheel.config import RewardConfig, SecurityConfig
 from flywheel.netsec import curve_client
-from flywheel.wire import Decoder, Rejections, RewardRegister, Score, ScoreRequest, WireError, encode
+from flywheel.wire import Decoder, Rejections, RewardRegister, Score, ScoreBatch, ScoreRequest, WireError, encode
 from reward_service.pool import WorkerPool
 from reward_service.scoring import Item, Outcome
 
@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 10.0
 MAX_REQUEST_BYTES = 64 << 20  # a ScoreRequest carries one prompt and one response
+SCORES_PER_FRAME = 256  # scores per ScoreBatch: small frames, far under the hub's message limit
 
 
 class RewardService:
@@ -130,6 +131,7 @@ class RewardService:
                 self.solo.extend(items)
                 return
             result = [Outcome(error=result)]  # "timeout: ..." or "crash: ..."
+        scores = []
         for item, out in zip(items, result, strict=True):
             reward = out.reward
             if out.error is not None:
@@ -137,18 +139,18 @@ class RewardService:
                 reward = self.rcfg.error_reward
                 log.warning("reward failed for (group %d, sample %d): %s", *item.key, out.error)
             self.scored += 1
-            self.sock.send(
-                encode(
-                    Score(
-                        worker_id=self.service_id,
-                        group_id=item.key[0],
-                        sample=item.key[1],
-                        reward=reward,
-                        breakdown=out.breakdown,
-                        error=out.error,
-                    )
+            scores.append(
+                Score(
+                    worker_id=self.service_id,
+                    group_id=item.key[0],
+                    sample=item.key[1],
+                    reward=reward,
+                    breakdown=out.breakdown,
+                    error=out.error,
                 )
             )
+        for i in range(0, len(scores), SCORES_PER_FRAME):  # one frame per worker batch, bounded
+            self.sock.send(encode(ScoreBatch(worker_id=self.service_id, scores=scores[i : i + SCORES_PER_FRAME])))
 
     def _finish_in_flight(self, deadline_s: float) -> None:
         """On stop: answer what the workers are scoring now (the hub re-sends the queued rest)."""

@@ -46,6 +46,7 @@ from flywheel.wire import (
     RewardRegister,
     SamplingParams,
     Score,
+    ScoreBatch,
     ScoreRequest,
     SyncJoin,
     WeightsAck,
@@ -65,6 +66,7 @@ MESSAGES: list[type[wire.Message]] = [
     Release,
     RewardRegister,
     Score,
+    ScoreBatch,
     Lease,
     ChunkAck,
     Revoke,
@@ -236,6 +238,13 @@ def valid_messages(lease: Lease | None = None) -> list[wire.Message]:
         Release(generator_id="gen-a", lease_ids=[lease_id]),
         RewardRegister(worker_id="rw-a", capacity=4),
         Score(worker_id="rw-a", group_id=group, sample=0, reward=1.0, breakdown={"len": 0.5}),
+        ScoreBatch(
+            worker_id="rw-a",
+            scores=[
+                Score(worker_id="rw-a", group_id=group, sample=0, reward=1.0),
+                Score(worker_id="rw-a", group_id=group, sample=1, reward=0.0, error="timeout: slow"),
+            ],
+        ),
         Lease(
             lease_id=lease_id,
             group_id=group,
@@ -477,6 +486,8 @@ def hub_reward_port(decoder: Decoder) -> Oracle:
             return None  # a reward worker registering is accepted (and would be sent work)
         if isinstance(msg, Score):
             return ("unexpected_score",)
+        if isinstance(msg, ScoreBatch):
+            return ("unexpected_score",) * len(msg.scores) or None  # an empty batch is no error
         return ("wrong_socket",)
 
     return oracle

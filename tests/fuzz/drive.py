@@ -33,6 +33,7 @@ from flywheel.wire import (
     Lease,
     RewardRegister,
     Score,
+    ScoreBatch,
     ScoreRequest,
     SyncJoin,
     ToHub,
@@ -513,7 +514,8 @@ def fuzz_reward_service(seeds: list[bytes], n: int, rng: random.Random) -> FuzzR
         while score is None and time.monotonic() < deadline:
             if router.poll(100):
                 msg = decoder.decode(router.recv_multipart()[1])
-                score = msg if isinstance(msg, Score) else None
+                if isinstance(msg, ScoreBatch) and msg.scores:
+                    score = msg.scores[0]
         assert score is not None and (score.group_id, score.sample, score.error) == (5, 1, None), score
     finally:
         service.stop()

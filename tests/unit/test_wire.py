@@ -26,6 +26,7 @@ from flywheel.wire import (
     RewardRegister,
     SamplingParams,
     Score,
+    ScoreBatch,
     ScoreRequest,
     SyncJoin,
     ToGenerator,
@@ -104,6 +105,14 @@ EXAMPLES = [
         metadata={"answer": "8", "n": 3},
     ),
     Score(worker_id="rw", group_id=1, sample=0, reward=1.0, breakdown={"format": 1.0}),
+    ScoreBatch(
+        worker_id="rw",
+        scores=[
+            Score(worker_id="rw", group_id=1, sample=0, reward=1.0, breakdown={"format": 1.0}),
+            Score(worker_id="rw", group_id=1, sample=1, reward=0.0, error="timeout: no answer"),
+        ],
+    ),
+    ScoreBatch(worker_id="rw", scores=[]),
     Heartbeat(generator_id="gen-0", weight_version=4, lease_ids=[], draining=True),
     Release(generator_id="gen-0", lease_ids=[3, 4]),
     READY,
@@ -205,6 +214,28 @@ def test_batch_error_names_the_chunk() -> None:
     with pytest.raises(WireError) as err:
         Decoder(ToHub).decode(encode(bad))
     assert err.value.field == "chunks[2].logprobs"
+
+
+@pytest.mark.parametrize(
+    ("scores", "field"),
+    [
+        (
+            [{"group_id": 1, "sample": 0, "reward": 1.0}, {"group_id": 1, "sample": 1, "reward": math.nan}],
+            "scores[1].reward",
+        ),
+        ([{"group_id": -1, "sample": 0, "reward": 1.0}], "scores[0].group_id"),
+        ([{"group_id": 1, "sample": 0, "reward": "high"}], "scores[0].reward"),
+        ("not a list", "scores"),
+    ],
+)
+def test_score_batch_error_names_the_score(scores: object, field: str) -> None:
+    if isinstance(scores, list):
+        scores = [
+            msgspec.msgpack.decode(encode(Score(worker_id="w", group_id=0, sample=0, reward=0.0))) | s for s in scores
+        ]
+    with pytest.raises(WireError) as err:
+        Decoder(ToHub).decode(_mutated(ScoreBatch(worker_id="w", scores=[]), scores=scores))
+    assert err.value.field == field, str(err.value)
 
 
 def test_oversized_frame_is_rejected_before_decoding() -> None:
