@@ -136,6 +136,7 @@ class Hub:
         self._turn_items = 0
         self._refreshed = 0.0
         self._last_reap = 0.0
+        self._to_reap = 0  # groups learners dropped and the hub has not cleaned up (LLEN, read with each write)
         self._last_expiry = 0.0
         self._doom_floor = 0  # the oldest version a group may hold, when groups were last checked
         # leases revoked with their doomed group, and those groups: what their generators and
@@ -252,10 +253,11 @@ class Hub:
             self._pipe.get(self.keys.version)
             self._pipe.hget(self.keys.counters, "groups_dropped")
             self._pipe.get(self.keys.claim_floor)
+            self._pipe.llen(self.keys.dropped)
             write_started = time.monotonic()
             with WATCHDOG.wait("hub write to Redis", self.cfg.run.watchdog_s):
-                *_, version, dropped, claim_floor = self._pipe.execute()
-            self._note_learner_state(version, dropped, claim_floor)
+                *_, version, dropped, claim_floor, to_reap = self._pipe.execute()
+            self._note_learner_state(version, dropped, claim_floor, to_reap)
             self._refreshed = self._turn_started
             if self._acks:
                 now = time.monotonic()
@@ -596,7 +598,7 @@ class Hub:
         now = time.monotonic()
         if now - self._refreshed > REFRESH_S:  # idle turns: no write carried the refresh
             self._refresh_learner_state()
-        if now - self._last_reap > REFRESH_S:
+        if self._to_reap and now - self._last_reap > REFRESH_S:  # no round trip when none were dropped
             self._last_reap = now
             self._reap_dropped()
         if self.cfg.async_.revoke_stale:
@@ -615,17 +617,22 @@ class Hub:
             .get(self.keys.version)
             .hget(self.keys.counters, "groups_dropped")
             .get(self.keys.claim_floor)
+            .llen(self.keys.dropped)
             .execute()
         )
 
-    def _note_learner_state(self, version: bytes | None, dropped: bytes | None, claim_floor: bytes | None) -> None:
+    def _note_learner_state(
+        self, version: bytes | None, dropped: bytes | None, claim_floor: bytes | None, to_reap: int
+    ) -> None:
         self.learner_version = int(version or 0)
         self.groups_dropped = int(dropped or 0)
         self.claim_floor = int(claim_floor or -1)
+        self._to_reap = int(to_reap)
 
     def _reap_dropped(self) -> None:
         """Clean up groups a learner dropped as too stale; re-queue their prompts if configured."""
         gids = self.redis.lpop(self.keys.dropped, 256)
+        self._to_reap = max(0, self._to_reap - len(gids or ()))  # the next write reads it again
         if not gids:
             return
         metas = self.redis.pipeline(transaction=False)

@@ -115,6 +115,9 @@ class TurnWrite:
     def lpop(self, key: str) -> None:
         self._command(b"LPOP", key)
 
+    def llen(self, key: str) -> None:
+        self._command(b"LLEN", key)
+
     # ------------------------------------------------------------------ running it
 
     def close(self) -> None:

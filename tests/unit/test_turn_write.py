@@ -27,6 +27,7 @@ def _both(redis_server: RedisServer) -> tuple[list[object], list[object], dict[s
         pipe.rpush(f"{prefix}:l", 10, 11)
         pipe.lpop(f"{prefix}:l")
         pipe.lpop(f"{prefix}:empty")
+        pipe.llen(f"{prefix}:l")
         pipe.get(f"{prefix}:none")
         pipe.hget(f"{prefix}:h", "f")
         pipe.unlink(f"{prefix}:gone")
