@@ -66,16 +66,20 @@ class HubStats:
             self.gc_pauses_s.append(time.perf_counter() - self._gc_started)
 
     def gc_pause_ms(self, q: float) -> float:
-        return float(np.percentile(np.asarray(self.gc_pauses_s), q) * 1000) if self.gc_pauses_s else 0.0
+        return _percentile(self.gc_pauses_s, q) * 1000
 
     def durable_ms(self, q: float) -> float:
-        return float(np.percentile(np.asarray(self.durable_s), q) * 1000) if self.durable_s else 0.0
+        return _percentile(self.durable_s, q) * 1000
 
     def write_ms(self, q: float) -> float:
-        return float(np.percentile(np.asarray(self.write_s), q) * 1000) if self.write_s else 0.0
+        return _percentile(self.write_s, q) * 1000
 
     def turn_chunks(self, q: float) -> float:
-        return float(np.percentile(np.asarray(self.chunks_per_turn), q)) if self.chunks_per_turn else 0.0
+        return _percentile(self.chunks_per_turn, q)
+
+
+def _percentile(values: deque[float] | deque[int], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else 0.0
 
 
 class RejectLog:
