@@ -20,6 +20,7 @@ from flywheel.staleness import StalenessPolicy
 from flywheel.store import RunKeys
 from flywheel.tiny import build_checkpoint
 from tests.conftest import ROOT, Cluster, wait_until
+from tests.integration.greedy import assert_greedy, teacher_forced
 
 HUB = ("--data.n_samples_per_prompt", "4", "--async.groups_per_step", "2", "--rollout.max_tokens", "16")
 
@@ -235,8 +236,6 @@ def test_learner_weights_reach_a_vllm_generator(cluster: Cluster, checkpoint_dir
     for group in batch.groups:
         for s in group.samples:
             assert (s.versions == 2).all()
-            ids = torch.tensor(np.concatenate([group.prompt_tokens, s.tokens]), dtype=torch.long)[None]
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(group.prompt_tokens) - 1 : -1]
-            assert logits.argmax(-1).tolist() == s.tokens.tolist()
+            logits = teacher_forced(model, group.prompt_tokens, s.tokens)
+            assert_greedy(logits, s.tokens, np.ones(len(s.tokens), bool), "v2")
     wait_until(lambda: gen.alive(), 1, "generator alive")
