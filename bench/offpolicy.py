@@ -168,15 +168,7 @@ class LocalLearner:
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
         self.version = 0
-        self.loss_cfg = algos.PolicyLossConfig(
-            correction=cfg.algo.off_policy.correction,
-            clip_low=cfg.algo.loss.clip_low,
-            clip_high=cfg.algo.loss.clip_high,
-            dual_clip=cfg.algo.loss.dual_clip,
-            is_cap=cfg.algo.off_policy.is_cap,
-            ratio_level=cfg.algo.loss.ratio_level,
-            aggregation=cfg.algo.loss.aggregation,
-        )
+        self.loss_cfg = algos.PolicyLossConfig.from_config(cfg)
 
     def token_logprobs(self, mb: MicroBatch, grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[sequences, response tokens] log-probabilities, mask and entropy under the current weights."""

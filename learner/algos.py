@@ -13,9 +13,12 @@ own forward).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from flywheel.config import FlywheelConfig
 
 Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 Correction = Literal["decoupled", "tis", "none"]
@@ -175,6 +178,20 @@ class PolicyLossConfig:
     is_cap: float = 2.0  # truncation of the behaviour importance weight
     ratio_level: str = "token"  # token | sequence (GSPO: the length-normalised sequence ratio)
     aggregation: str = "token_mean"
+
+    @classmethod
+    def from_config(cls, cfg: FlywheelConfig) -> PolicyLossConfig:
+        """The loss settings of a run's ``algo`` section."""
+        loss, off_policy = cfg.algo.loss, cfg.algo.off_policy
+        return cls(
+            correction=off_policy.correction,
+            clip_low=loss.clip_low,
+            clip_high=loss.clip_high,
+            dual_clip=loss.dual_clip,
+            is_cap=off_policy.is_cap,
+            ratio_level=loss.ratio_level,
+            aggregation=loss.aggregation,
+        )
 
 
 def policy_loss(

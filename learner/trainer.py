@@ -168,15 +168,7 @@ class Trainer:
 
             # a sync returns within its deadline; twice that is a thread that is stuck
             self.overlapped = OverlappedSync(self.broadcaster, self._log_sync, 2 * cfg.sync.timeout_s + 30)
-        self.loss_cfg = algos.PolicyLossConfig(
-            correction=cfg.algo.off_policy.correction,
-            clip_low=cfg.algo.loss.clip_low,
-            clip_high=cfg.algo.loss.clip_high,
-            dual_clip=cfg.algo.loss.dual_clip,
-            is_cap=cfg.algo.off_policy.is_cap,
-            ratio_level=cfg.algo.loss.ratio_level,
-            aggregation=cfg.algo.loss.aggregation,
-        )
+        self.loss_cfg = algos.PolicyLossConfig.from_config(cfg)
 
     # ------------------------------------------------------------------ models
 
