@@ -250,10 +250,7 @@ class Hub:
         self._write_chunk_blobs()
         if len(self._pipe):
             # The learner's version and drop count ride along with the turn's write.
-            self._pipe.get(self.keys.version)
-            self._pipe.hget(self.keys.counters, "groups_dropped")
-            self._pipe.get(self.keys.claim_floor)
-            self._pipe.llen(self.keys.dropped)
+            self._read_learner_state(self._pipe)
             write_started = time.monotonic()
             with WATCHDOG.wait("hub write to Redis", self.cfg.run.watchdog_s):
                 *_, version, dropped, claim_floor, to_reap = self._pipe.execute()
@@ -612,14 +609,16 @@ class Hub:
             self._log_stats()
 
     def _refresh_learner_state(self) -> None:
-        self._note_learner_state(
-            *self.redis.pipeline(transaction=False)
-            .get(self.keys.version)
-            .hget(self.keys.counters, "groups_dropped")
-            .get(self.keys.claim_floor)
-            .llen(self.keys.dropped)
-            .execute()
-        )
+        pipe = self.redis.pipeline(transaction=False)
+        self._read_learner_state(pipe)
+        self._note_learner_state(*pipe.execute())
+
+    def _read_learner_state(self, pipe: TurnWrite | redis.client.Pipeline) -> None:
+        """Queue the reads ``_note_learner_state`` takes, in its argument order."""
+        pipe.get(self.keys.version)
+        pipe.hget(self.keys.counters, "groups_dropped")
+        pipe.get(self.keys.claim_floor)
+        pipe.llen(self.keys.dropped)
 
     def _note_learner_state(
         self, version: bytes | None, dropped: bytes | None, claim_floor: bytes | None, to_reap: int
