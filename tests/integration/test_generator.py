@@ -122,9 +122,11 @@ def test_update_mid_generation_switches_versions_inside_a_sample(
     start_hub(cluster, "--rollout.max_tokens", "200", "--rollout.temperature", "0")
     cluster.start_generator("g0", checkpoint_dir, sync_ports(broadcaster), "--async.partial_rollout", policy)
     assert broadcaster.wait_for_members(1, timeout_s=120), "the generator never joined the weight sync"
-    wait_until(lambda: tokens_in_flight(cluster), 60, "tokens streaming into the hub")
     v0 = hf(checkpoint_dir)
     v1 = perturbed(v0, seed=1)
+    # Only then look for samples in flight, and sync at once: built after the check, v1 came too
+    # late on a fast machine (the first wave of samples had finished, none spanned the update).
+    wait_until(lambda: tokens_in_flight(cluster), 60, "tokens streaming into the hub")
     report = broadcaster.sync(1, v1.state_dict().items())
     assert report.acked == ["g0"], report
     c = client(cluster)
