@@ -8,6 +8,8 @@ Phases, all in one run on the same machine:
      hub sends only after the chunk's MULTI/EXEC write returned).
   C. Ray queue, same framing: each generator step puts its chunks with one put_nowait_batch.
   D. Ray queue, one put per chunk (how a streaming producer would use it).
+  E. The machine's ceiling (``bench/raw_frames.py``): the same frames stored raw in Redis by a
+     relay that does none of the hub's work, saturated and at B's rate.
 
     python bench/hub_throughput.py [--quick]
 """
@@ -30,6 +32,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.raw_frames import run_raw_frames  # noqa: E402
 from flywheel.hub_client import BatchClient, BatchTimeout  # noqa: E402
 from flywheel.procs import Service, wait_for_state_file  # noqa: E402
 from flywheel.redis_server import RedisServer  # noqa: E402
@@ -271,6 +274,10 @@ def main() -> int:
     ray_batched = run_ray(args.generators, seconds, batched=True)
     console.print("[bold]D[/bold] ray.util.queue.Queue, one put per chunk ...")
     ray_chunk = run_ray(args.generators, min(seconds, 10.0), batched=False)
+    frame = (CAPACITY * SAMPLES_PER_PROMPT, (CHUNK_MIN, CHUNK_MAX))
+    console.print("[bold]E[/bold] raw frames into Redis, none of the hub's work: saturated, then at B's rate ...")
+    raw_sat = run_raw_frames(work, args.generators, warmup, seconds, None, *frame)
+    raw_half = run_raw_frames(work, args.generators, warmup, seconds, 0.5 * sat["hub_tokens_per_s"], *frame)
 
     table = Table(title="hub_throughput: chunks of 16-64 tokens, samples of 256-4096 tokens")
     for col in (
@@ -306,6 +313,17 @@ def main() -> int:
             f"{run['ack_ms_p99']:.2f}",
             "",
         )
+    for name, run in (("raw frames (ceiling), saturated", raw_sat), ("raw frames (ceiling), B's load", raw_half)):
+        table.add_row(
+            name,
+            "yes",
+            f"{run['consumer_tokens_per_s']:,.0f}",
+            "",
+            "",
+            f"{run['ack_ms_p50']:.2f}",
+            f"{run['ack_ms_p99']:.2f}",
+            "",
+        )
     table.add_row("ray Queue, batch per step", "no", f"{ray_batched:,.0f}", "", "", "", "", f"{e2e / ray_batched:.1f}x")
     table.add_row("ray Queue, put per chunk", "no", f"{ray_chunk:,.0f}", "", "", "", "", f"{e2e / ray_chunk:.1f}x")
     console.print(table)
@@ -323,6 +341,9 @@ def main() -> int:
             "ray_queue_batched_tokens_per_s": ray_batched,
             "ray_queue_per_chunk_tokens_per_s": ray_chunk,
             "ratio_vs_ray_queue_per_chunk": e2e / ray_chunk,
+            "raw_frames_saturated": raw_sat,
+            "raw_frames_half_load": raw_half,
+            "raw_frames_ratio_vs_ray_queue": raw_sat["consumer_tokens_per_s"] / ray_batched,
         },
         "config": {
             "generators": args.generators,
@@ -343,7 +364,8 @@ def main() -> int:
             "platform": platform.platform(),
         },
         "notes": "ratio_vs_ray_queue compares equal framing (one Ray put per generator step, as one ZMQ frame per step); "
-        "the Ray path is not durable. p99_chunk_durable_ms is send->ack at half of the saturated rate.",
+        "the Ray path is not durable. p99_chunk_durable_ms is send->ack at half of the saturated rate. "
+        "raw_frames_* is the machine's ceiling: the same frames stored raw by a relay with none of the hub's work.",
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
