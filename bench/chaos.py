@@ -33,14 +33,19 @@ def chaos(
     work: Path,
     victims: tuple[str, ...] = VICTIMS,
     generators: int = 2,
+    spares: int = 0,
 ) -> ChaosReport:
     run_dir = work / "run"
     overrides = ["--train.total_steps", str(steps), "--run.seed", str(seed), "--launch.generators", str(generators)]
+    overrides += ["--launch.spare_generators", str(spares)]
     run = ChaosRun(str(ROOT / "configs" / "chaos.yaml"), run_dir, overrides, seed=seed)
     try:
-        # start injecting once the loop trains: every service is up and a checkpoint exists
+        # start injecting once the loop trains (every service is up and a checkpoint exists) and
+        # the spare generators are loaded: the steady state the deployment is meant to have
         if not run.wait("training", lambda: run.version() >= 3, timeout_s=600):
             raise RuntimeError(f"the run never started training; see {run.log_path}")
+        if not run.wait("spares loaded", lambda: len(list(run_dir.glob("spares/*.ready"))) >= spares, timeout_s=900):
+            raise RuntimeError(f"the spare generators never finished loading; see {run_dir / 'logs'}")
         run.inject(faults, interval, recover_timeout_s=600, victims=victims, until_version=steps - 8)
         return run.finish(timeout_s=1800)
     finally:
@@ -85,12 +90,25 @@ def main() -> int:
     p.add_argument("--interval", type=float, nargs=2, default=(5.0, 20.0), help="seconds between faults (uniform)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--victims", nargs="+", choices=VICTIMS, default=list(VICTIMS), help="services to kill")
+    p.add_argument("--generators", type=int, default=2)
+    p.add_argument(
+        "--spares", type=int, default=2, help="spare generators held loaded (launch.spare_generators); 0: none"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos.json")
     p.add_argument("--keep", action="store_true", help="keep the run directory")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="flywheel-chaos-"))
     try:
-        report = chaos(args.faults, args.steps, tuple(args.interval), args.seed, work, tuple(args.victims))
+        report = chaos(
+            args.faults,
+            args.steps,
+            tuple(args.interval),
+            args.seed,
+            work,
+            tuple(args.victims),
+            generators=args.generators,
+            spares=args.spares,
+        )
         print(report.table())
         s = summary(report)
         result = {

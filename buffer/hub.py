@@ -155,6 +155,10 @@ class Hub:
         sock.setsockopt(zmq.SNDHWM, self.hcfg.sndhwm)
         sock.setsockopt(zmq.RCVHWM, self.hcfg.rcvhwm)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error we count, not a silent drop
+        # A peer connecting under an id the socket still holds (its old process frozen, or its TCP
+        # connection half-open) takes the id over; without it, a generator back under its id (a
+        # restart, a spare) would be ignored until the old connection timed out.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # Memory guard well above the checked limit: bigger frames are refused by ZMQ itself.
         sock.setsockopt(zmq.MAXMSGSIZE, self.hcfg.max_message_bytes * 4)
         curve_server(sock, self.cfg.security)  # security.curve: only authorised clients get through

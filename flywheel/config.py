@@ -358,6 +358,12 @@ class GeneratorConfig(_Section):
         None,
         description="Append how many chunks each hub ack confirmed to this file (audits: acked vs persisted).",
     )
+    standby_file: str | None = Field(
+        None,
+        description="Start as a spare (the launcher sets it, launch.spare_generators): load the engine, create "
+        '<standby_file>.ready, then wait until <standby_file> appears, holding the JSON {"id": ..., "ack_log": '
+        "...} of the generator to stand in for; only then connect to the hub and the learner as that generator.",
+    )
 
 
 class SyncConfig(_Section):
@@ -587,6 +593,15 @@ class LaunchConfig(_Section):
         "generator.hub_address name it).",
     )
     generators: int = Field(1, ge=0, le=1024, description="vLLM generator services started at first.")
+    spare_generators: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Local launcher: vLLM generators started once the fleet is up and held loaded but idle "
+        "(generator.standby_file). When a generator dies, a spare takes its id at once and a new spare starts: "
+        "the fleet is whole again in about a second instead of a vLLM start-up (minutes on busy CPUs). Each "
+        "spare holds a generator's memory (and GPUs) while it waits.",
+    )
     tiny_model: Literal["tiny", "small", "medium", "large", "0.5b"] | None = Field(
         None,
         description="Build a Llama of this size from code (with its tokenizer) when train.model is unset; "

@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from flywheel import standby
 from flywheel.autoscale import Autoscaler, CommandBackend, ServiceBackend
 from flywheel.config import FlywheelConfig
 from flywheel.hub_client import hub_metrics
@@ -138,6 +139,8 @@ class LocalLaunch:
         self.base_model = ""  # the model before the warm start (set by _prepare)
         self.eval_end: dict[str, Any] | None = None
         self.generators: list[ServiceHandle] = []
+        self.spares: list[ServiceHandle] = []  # generators loaded and idle (launch.spare_generators)
+        self.spares_started = 0  # spare names are never reused: each has a log file of its own
         self.autoscaler: Autoscaler | None = None
         self.recipes: dict[str, tuple[str, list[str], dict[str, str] | None]] = {}  # how to start it again
         self.restarts: Counter[str] = Counter()
@@ -193,7 +196,7 @@ class LocalLaunch:
         """The CPUs ``launch.cpus`` pins service ``name`` to (generatorN falls back to generator; the
         warm start and the evaluations run on the learner's, as they do on its GPU)."""
         table = self.cfg.launch.cpus
-        key = name if name in table else "generator" if name.startswith("generator") else None
+        key = name if name in table else "generator" if name.startswith(("generator", "spare")) else None
         if key is None and name in ("sft", "eval_start", "eval_end"):
             key = "learner"
         if key not in table:
@@ -257,7 +260,7 @@ class LocalLaunch:
         gpus = visible_gpus()
         if not gpus:
             return {}
-        generators = cfg.autoscale.max_generators if cfg.autoscale.enabled else cfg.launch.generators
+        generators = self._planned_generators() + self._spare_generators()
         tp = cfg.generator.tensor_parallel_size
         plan = assign_gpus(gpus, cfg.launch.learner_procs, [tp] * generators)
         if plan:
@@ -431,6 +434,9 @@ class LocalLaunch:
                 self._service("learner", "torch.distributed.run", *launcher, *flags, env=env)
         if early:
             self._wait_generators(cfg.launch.generators)  # they finish loading while the learner starts
+        if "generator" in start:  # once the fleet is up, so they do not slow its start
+            for _ in range(self._spare_generators()):
+                self._start_spare()
 
     def _start_generators(self, *extra: str) -> None:
         self.generators += [self._start_generator(i, *extra) for i in range(self.cfg.launch.generators)]
@@ -440,6 +446,49 @@ class LocalLaunch:
         acks.mkdir(exist_ok=True)
         flags = self._flags("--generator.id", f"gen{i}", "--generator.ack_log", str(acks / f"gen{i}.log"), *extra)
         return self._service(f"generator{i}", "generators", *flags)
+
+    def _start_spare(self, devices: str | None = None) -> None:
+        """A generator that loads its engine and waits to take a dead generator's place."""
+        name = f"spare{self.spares_started}"
+        self.spares_started += 1
+        spares = self.run_dir / "spares"
+        spares.mkdir(exist_ok=True)
+        standby.clear(spares / name)
+        planned = self.gpu_plan.get(f"generator{self._planned_generators() + len(self.spares)}")
+        if devices or planned:  # the GPUs of the generator (or spare) it replaces, or its own
+            self.gpu_plan[name] = devices or planned or ""
+        self.spares.append(
+            self._service(name, "generators", *self._flags("--generator.standby_file", str(spares / name)))
+        )
+
+    def _promote_spare(self, dead: ServiceHandle) -> bool:
+        """Hand a dead generator's id to a loaded spare (and start a spare in its stead)."""
+        spares = self.run_dir / "spares"
+        spare = next((s for s in self.spares if s.alive() and standby.is_ready(spares / s.name)), None)
+        if spare is None:
+            return False
+        index = dead.name[len("generator") :]
+        ack_log = self.run_dir / "acks" / f"gen{index}.log"
+        standby.hand_over(spares / spare.name, standby.Takeover(f"gen{index}", str(ack_log)))
+        self.console.print(f"[yellow]{spare.name} takes the place of {dead.name}")
+        self.spares.remove(spare)
+        freed = self.gpu_plan.get(dead.name)
+        if spare.name in self.gpu_plan:
+            self.gpu_plan[dead.name] = self.gpu_plan[spare.name]
+        spare.name = dead.name  # what the report, the chaos tests and a later restart know it by
+        self.services.remove(spare)
+        self.services[self.services.index(dead)] = spare
+        if dead in self.generators:
+            self.generators[self.generators.index(dead)] = spare
+        self._start_spare(freed)
+        return True
+
+    def _spare_generators(self) -> int:
+        return self.cfg.launch.spare_generators
+
+    def _planned_generators(self) -> int:
+        cfg = self.cfg
+        return cfg.autoscale.max_generators if cfg.autoscale.enabled else cfg.launch.generators
 
     def _retire_generator(self, svc: ServiceHandle) -> None:
         """Scale-down: SIGTERM, so it drains (finishes or gives back its leases) before it exits."""
@@ -496,8 +545,15 @@ class LocalLaunch:
             raise ServiceFailed(svc, f"exited with code {code} after {self.restarts[svc.name]} restarts")
         self.restarts[svc.name] += 1
         self.console.print(f"[yellow]{svc.name} exited with code {code}: restart {self.restarts[svc.name]}")
-        self.services.remove(svc)
         svc.stop(timeout_s=5)  # whatever of its process group is left (vLLM's engine core) goes too
+        if svc.name.startswith("generator") and self._promote_spare(svc):
+            self._publish_pids()
+            return
+        self.services.remove(svc)
+        if svc in self.spares:  # a fresh spare (new name, no ready mark) on the GPUs the dead one held
+            self.spares.remove(svc)
+            self._start_spare(self.gpu_plan.get(svc.name))
+            return
         module, args, env = self.recipes[svc.name]
         if svc.name == "learner" and "--train.resume" not in args:
             args = [*args, "--train.resume", "true"]
@@ -615,7 +671,7 @@ class LocalLaunch:
 
     def _stop_services(self, keep: ServiceHandle | None = None) -> None:
         # generators first (they drain), the hub last: nothing is written to a stopped hub
-        order = {"learner": 0, "generator": 1, "reward": 2, "hub": 3}
+        order = {"learner": 0, "spare": 1, "generator": 1, "reward": 2, "hub": 3}
         for svc in sorted(self.services, key=lambda s: order.get(s.name.rstrip("0123456789"), 0)):
             if svc is keep:
                 continue

@@ -107,6 +107,8 @@ class RayLaunch(LocalLaunch):
     def __init__(self, cfg: FlywheelConfig) -> None:
         super().__init__(cfg)
         la = cfg.launch
+        if la.spare_generators:
+            self.console.print("[yellow]launch.spare_generators applies to the local launcher; no spares on Ray")
         if la.cpus:  # services run on Ray's nodes, where this machine's CPU numbers mean nothing
             self.console.print(
                 "[yellow]launch.cpus applies to the local launcher; Ray places by launch.cpus_per_service"
@@ -135,6 +137,9 @@ class RayLaunch(LocalLaunch):
         self.console.print(
             f"ray: placement group of {len(bundles)} bundles on {len(set(self.node_ip.values()))} node(s)"
         )
+
+    def _spare_generators(self) -> int:
+        return 0  # a spare waits for a file the launcher writes on its own machine
 
     def _bundle(self, name: str) -> int:
         role = name if name in self.roles else "learner" if name in ("sft", "eval_start", "eval_end") else "hub"

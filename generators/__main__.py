@@ -8,9 +8,11 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 from flywheel.config import FlywheelConfig, service_config
 from flywheel.logs import setup_logging
+from flywheel.standby import mark_ready, wait_for_takeover
 
 log = logging.getLogger("generators")
 
@@ -21,9 +23,21 @@ async def serve(cfg: FlywheelConfig, max_seconds: float | None = None) -> int:
     from generators.service import GeneratorService
     from generators.sync_link import SyncLink
 
+    engine = build_engine(cfg.generator)
+    if cfg.generator.standby_file:  # a spare: loaded, idle until a generator's place is handed over
+        standby = Path(cfg.generator.standby_file)
+        mark_ready(standby)
+        log.info("spare generator loaded: waiting for a takeover at %s", standby)
+        try:
+            takeover = await wait_for_takeover(standby)
+        except BaseException:  # a bad takeover file, or stopped while waiting: free the engine first
+            engine.shutdown()
+            raise
+        log.info("spare generator taking over as %s", takeover.generator_id)
+        gen = cfg.generator.model_copy(update={"id": takeover.generator_id, "ack_log": takeover.ack_log})
+        cfg = cfg.model_copy(update={"generator": gen})
     gcfg = cfg.generator
     generator_id = gcfg.id or f"{socket.gethostname()}-{os.getpid()}"
-    engine = build_engine(gcfg)
     link = HubLink(
         gcfg.hub_address,
         generator_id,

@@ -82,6 +82,7 @@ class WeightBroadcaster:
         self.pub.bind(f"tcp://{bind}:{cfg.announce_port}")
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a generator back under its id takes it over (hub.py)
         self.router.setsockopt(zmq.MAXMSGSIZE, 4 * MAX_JOIN_BYTES)  # far over the checked limit: ZMQ drops it
         curve_server(self.router, security)
         self.router.bind(f"tcp://{bind}:{cfg.join_port}")
@@ -94,6 +95,7 @@ class WeightBroadcaster:
         self.epoch = time.time_ns() // 1_000_000
         self.rejects = Rejections(log)  # what arrived on the join socket and was refused, by reason
         self._acks: dict[str, WeightsAck] = {}
+        self._restarted: set[str] = set()  # members whose process was replaced since the sync started
         self._store_port = 0  # rendezvous port of the current group
 
     # ------------------------------------------------------------------ membership
@@ -130,6 +132,13 @@ class WeightBroadcaster:
                         msg.workers,
                     )
                 old = self.members.get(msg.generator_id)
+                if old is not None and msg.version < old.version:
+                    # A new process under a known id (restarted, or a spare that took its place):
+                    # it holds none of what the old one was sent, and a sync waiting for the old
+                    # one's ack would wait for its deadline. It joins afresh (JOIN_SETTLE_S).
+                    log.info("generator %s is back (v%d, was v%d)", msg.generator_id, msg.version, old.version)
+                    self._restarted.add(msg.generator_id)
+                    old = None
                 self.members[msg.generator_id] = Member(
                     msg.workers, msg.version, now, old.joined if old else now, msg.needs_weights
                 )
@@ -219,6 +228,7 @@ class WeightBroadcaster:
             ranks=self.group_ranks,
         )
         self._acks.clear()
+        self._restarted.clear()
         self.pub.send(encode(ready))
         try:
             if store is not None:
@@ -250,6 +260,10 @@ class WeightBroadcaster:
         while waiting and time.time() < deadline:
             self.poll(int(min(50, max(1, (deadline - time.time()) * 1000))))
             for gen_id in list(waiting):
+                if gen_id in self._restarted:  # the process the weights went to is gone
+                    waiting.discard(gen_id)
+                    report.evicted[gen_id] = "restarted during the sync"
+                    continue
                 ack = self._acks.get(gen_id)
                 if ack is None or ack.epoch != self.epoch:
                     continue
@@ -263,7 +277,8 @@ class WeightBroadcaster:
         if report.evicted:
             log.warning("weight sync v%d: evicted %s", version, report.evicted)
             for gen_id in report.evicted:
-                self.members.pop(gen_id, None)  # it rejoins with its next SyncJoin
+                if gen_id not in self._restarted:  # (a restarted one has joined afresh already)
+                    self.members.pop(gen_id, None)  # it rejoins with its next SyncJoin
             self._close_group()
 
     def _close_group(self) -> None:

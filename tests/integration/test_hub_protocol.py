@@ -135,6 +135,24 @@ def test_dead_generator_lease_is_reissued_for_unfinished_samples(cluster: Cluste
     b.close()
 
 
+def test_a_generator_back_under_its_id_takes_over_a_connection_still_open(cluster: Cluster) -> None:
+    """A generator restarted (or a spare taking its place) while the hub still holds the old
+    connection under the same id (a frozen process, a half-open TCP connection): the new one
+    gets through at once and its registration re-issues the old leases."""
+    cluster.start_hub("--data.n_samples_per_prompt", "1", "--async.groups_per_step", "1", "--async.max_staleness", "0")
+    old = HandGenerator(cluster.gen_address, "gen-x")
+    old.register()
+    lease = old.wait_lease()
+    new = HandGenerator(cluster.gen_address, "gen-x")  # `old` stays connected: nothing told the hub
+    new.register()
+    again = new.wait_lease(timeout_s=5)
+    assert again.group_id == lease.group_id and again.lease_id != lease.lease_id
+    new.send(make_chunk(again, 0, 0, 0, final=True))
+    pump_until(new, lambda: new.acked == 1, "ack for the generator back under its id")
+    old.close()
+    new.close()
+
+
 def test_lease_past_its_deadline_is_revoked_and_reissued(cluster: Cluster) -> None:
     cluster.start_hub(
         "--hub.lease_timeout_s",

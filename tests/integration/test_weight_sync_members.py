@@ -1,0 +1,56 @@
+"""The learner's weight-sync membership when a generator's process is replaced under its id (a
+restart, or a spare taking its place): a sync waiting for the old process's ack stops waiting as
+soon as the new one says it is back, instead of waiting out the deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from flywheel.config import SyncConfig
+from flywheel.redis_server import free_port
+from generators.sync_link import SyncLink
+from learner.weight_sync import SyncReport, WeightBroadcaster
+from tests.conftest import wait_until
+
+
+def test_a_generator_back_under_its_id_ends_the_wait_for_the_old_ones_ack() -> None:
+    cfg = SyncConfig(announce_port=free_port(), join_port=free_port(), timeout_s=20)
+    wb = WeightBroadcaster(cfg)
+    old = SyncLink("127.0.0.1", cfg.announce_port, cfg.join_port, "gen0", 1)
+    new: SyncLink | None = None
+    try:
+
+        def joined_at_v7() -> bool:
+            old.join(7, every_s=0.05)
+            wb.poll(50)
+            return "gen0" in wb.members and wb.members["gen0"].version == 7
+
+        wait_until(joined_at_v7, 15, "gen0's SyncJoin at v7")
+        old.close()  # killed while the learner sends it v8
+        new = SyncLink("127.0.0.1", cfg.announce_port, cfg.join_port, "gen0", 1)
+        stop = threading.Event()
+
+        def new_process() -> None:  # the replacement heartbeats as a fresh generator does: v0
+            while not stop.is_set():
+                assert new is not None
+                new.join(0, every_s=0.1)
+                time.sleep(0.05)
+
+        report = SyncReport(version=8, members=["gen0"])
+        thread = threading.Thread(target=new_process, daemon=True)
+        started = time.monotonic()
+        thread.start()
+        wb._collect_acks(8, time.time() + cfg.timeout_s, report)
+        waited = time.monotonic() - started
+        assert report.evicted == {"gen0": "restarted during the sync"}, report
+        assert waited < 5, f"waited {waited:.1f}s of a {cfg.timeout_s:.0f}s deadline"
+        member = wb.members["gen0"]  # joined afresh (settles for JOIN_SETTLE_S), at v0
+        assert member.version == 0 and member.joined >= started
+        wait_until(lambda: wb.behind(8) == ["gen0"], 10, "the new process listed as lacking v8's weights")
+        stop.set()
+        thread.join(timeout=5)
+    finally:
+        if new is not None:
+            new.close()
+        wb.close()
