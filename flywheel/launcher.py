@@ -544,10 +544,11 @@ class LocalLaunch:
         code, la = svc.returncode, self.cfg.launch
         if not la.restart or code == 2:  # 2: a bad configuration, which a restart cannot fix
             raise ServiceFailed(svc, f"exited with code {code}")
-        if self.restarts[svc.name] >= la.max_restarts:
-            raise ServiceFailed(svc, f"exited with code {code} after {self.restarts[svc.name]} restarts")
-        self.restarts[svc.name] += 1
-        self.console.print(f"[yellow]{svc.name} exited with code {code}: restart {self.restarts[svc.name]}")
+        key = "spares" if svc in self.spares else svc.name  # a dead spare's successor has a new name
+        if self.restarts[key] >= la.max_restarts:
+            raise ServiceFailed(svc, f"exited with code {code} after {self.restarts[key]} restarts")
+        self.restarts[key] += 1
+        self.console.print(f"[yellow]{svc.name} exited with code {code}: restart {self.restarts[key]}")
         svc.stop(timeout_s=5)  # whatever of its process group is left (vLLM's engine core) goes too
         if svc.name.startswith("generator") and self._promote_spare(svc):
             self._publish_pids()

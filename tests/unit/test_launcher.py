@@ -149,3 +149,65 @@ def test_pinned_services_run_on_their_cpus_and_missing_cpus_stop_the_run(tmp_pat
     assert launch._cpus("generator3") is None  # unlisted: anywhere
     cfg = load_config(["--launch.run_dir", str(tmp_path / "run2"), "--launch.cpus.generator", str(mine[0])])
     assert LocalLaunch(cfg)._cpus("generator3") == {mine[0]}  # generatorN falls back to generator
+
+
+class FakeProcess(FakeService):
+    """A FakeService that can die."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.code: int | None = None
+        self.stopped = False
+
+    def alive(self) -> bool:
+        return self.code is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.code
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.stopped = True
+
+
+def test_a_dead_generator_s_place_goes_to_a_loaded_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flywheel import standby
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    launch = _launch(
+        tmp_path, monkeypatch, ["0", "1", "2", "3"], "--launch.generators", "2", "--launch.spare_generators", "1"
+    )
+    monkeypatch.setattr(launcher, "Service", FakeProcess)
+    gens = [launch._start_generator(i) for i in range(2)]
+    launch.generators = list(gens)
+    launch._start_spare()
+    (spare,) = launch.spares
+    assert (spare.name, spare.env["CUDA_VISIBLE_DEVICES"]) == ("spare0", "3")  # a GPU of its own
+    assert spare.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # see _start_spare
+    standby_file = tmp_path / "spares" / "spare0"
+
+    gens[1].code = -9  # killed before the spare loaded: an ordinary restart
+    launch._restart(gens[1])
+    restarted = launch.services[-1]
+    assert restarted.name == "generator1" and restarted is not spare and launch.generators[1] is restarted
+    assert not standby_file.exists()
+
+    standby.mark_ready(standby_file)
+    restarted.code = -9  # now a loaded spare takes its id
+    launch._restart(restarted)
+    assert standby.Takeover.decode(standby_file.read_bytes(), "t") == standby.Takeover(
+        "gen1", str(tmp_path / "acks" / "gen1.log")
+    )
+    assert spare.name == "generator1" and launch.generators[1] is spare and spare in launch.services
+    assert restarted not in launch.services and restarted.stopped
+    (successor,) = launch.spares
+    assert successor.name == "spare1" and successor.env["CUDA_VISIBLE_DEVICES"] == "2"  # the GPU freed
+    assert launch.gpu_plan["generator1"] == "3"  # the GPU the promoted spare holds
+    assert sorted(s.name for s in launch.services) == ["generator0", "generator1", "spare1"]
+
+    successor.code = -9  # a spare dies while loading: a new one (new name, no ready mark), same GPU
+    launch._restart(successor)
+    (third,) = launch.spares
+    assert third.name == "spare2" and third.env["CUDA_VISIBLE_DEVICES"] == "2"
+    assert launch.restarts["spares"] == 1 and launch.restarts["generator1"] == 2
