@@ -25,6 +25,7 @@ from flywheel.staleness import StalenessPolicy
 from flywheel.store import (
     CLAIM_SCRIPT,
     META,
+    RELEASE_UNTRAINED_SCRIPT,
     GroupMeta,
     RunKeys,
     SampleDone,
@@ -99,6 +100,7 @@ class BatchClient:
         self.keys = RunKeys(run)
         self.policy = policy
         self._claim = client.register_script(CLAIM_SCRIPT)
+        self._release_untrained = client.register_script(RELEASE_UNTRAINED_SCRIPT)
         # Every group id this client claimed, one line per claim, written unbuffered before the
         # data is read: an audit (tests/chaos) checks no group was ever served twice.
         self._claims_log = os.open(claims_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if claims_log else None
@@ -123,6 +125,27 @@ class BatchClient:
                     log.warning("redis unreachable while %s (%s): retrying for %.0fs", what, err, self.redis_outage_s)
                     warned = True
                 time.sleep(0.2)
+
+    def note_finished(self, n_groups: int, trained: bool = True) -> None:
+        """The learner is done with ``n_groups`` it claimed. Groups it could not train on (a step
+        whose every group was filtered out: no version bump) are released to admission too,
+        counted as dropped, or each such step would shrink the admission window for good."""
+        c = self.keys.counters
+
+        def write() -> None:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hincrby(c, "groups_finished", n_groups)
+            if not trained:
+                pipe.hincrby(c, "groups_dropped", n_groups)
+                pipe.hincrby(c, "groups_filtered_out", n_groups)
+            pipe.execute()
+
+        self._retry(write, "counting the groups trained on")
+
+    def release_untrained(self) -> int:
+        """At a learner's (re)start: release to admission every group claimed before and never
+        trained on (``RELEASE_UNTRAINED_SCRIPT``); returns how many."""
+        return int(self._retry(lambda: self._release_untrained(keys=[self.keys.counters]), "releasing lost claims"))
 
     def get_version(self) -> int:
         raw = self._retry(lambda: self.redis.get(self.keys.version), "reading the version")

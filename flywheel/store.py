@@ -199,6 +199,26 @@ def unpack_chunks(data: bytes) -> list[Chunk]:
 # KEYS: ready, counters, consumed, staleness, dropped
 # ARGV: n, learner_version, max_staleness
 # Returns {dropped_count, {gid1, version1, gid2, version2, ...}}
+# A learner starting from a checkpoint: every group claimed before it and never trained on
+# (claimed by a learner that died, its batch and the one it claimed ahead) is released to
+# admission, counted as dropped; otherwise each learner restart would shrink the admission
+# window (issued - dropped < (v + η + 1) · groups_per_step) by what it lost, for good.
+#
+# KEYS: counters
+# Returns the number of groups released.
+RELEASE_UNTRAINED_SCRIPT = """
+local consumed = tonumber(redis.call('HGET', KEYS[1], 'groups_consumed') or '0')
+local finished = tonumber(redis.call('HGET', KEYS[1], 'groups_finished') or '0')
+local lost = consumed - finished
+if lost > 0 then
+  redis.call('HINCRBY', KEYS[1], 'groups_dropped', lost)
+  redis.call('HINCRBY', KEYS[1], 'groups_lost_with_learner', lost)
+  redis.call('HSET', KEYS[1], 'groups_finished', consumed)
+  return lost
+end
+return 0
+"""
+
 CLAIM_SCRIPT = """
 local n = tonumber(ARGV[1])
 local v = tonumber(ARGV[2])

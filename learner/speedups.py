@@ -45,7 +45,9 @@ def register_varlen() -> str:
     transformers then builds no mask at all) and return the name to load models with."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(VARLEN_NAME, varlen_attention)
+    # A graph break in compiled layers (the kernel runs as it is). Applied here rather than as a
+    # decorator: that would import torch's compiler with this module, 1.5 s of every learner start.
+    AttentionInterface.register(VARLEN_NAME, torch.compiler.disable(varlen_attention))
     return VARLEN_NAME
 
 
@@ -57,7 +59,6 @@ def _varlen_call() -> Any:
     return varlen_attn, causal, "enable_gqa" in params
 
 
-@torch.compiler.disable  # a graph break in compiled layers: the kernel runs as it is
 def varlen_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

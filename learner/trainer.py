@@ -258,6 +258,7 @@ class Trainer:
             if self.version + 1 < total:
                 self.claims.claim_ahead(self.version + 1)  # loads while this step trains
             stats = self.train_step(batch)
+            self.client.note_finished(len(batch.groups), trained=stats is not None)
             if stats is None:
                 continue  # every group was filtered out: no signal, no step
             self.version += 1
@@ -756,6 +757,9 @@ class Trainer:
             self.version = published + 1
         if self.rank == 0:
             self.client.set_version(self.version)
+            lost = self.client.release_untrained()
+            if lost:
+                log.warning("%d groups claimed before this start were never trained on: released to admission", lost)
         return loaded
 
     # ------------------------------------------------------------------ reporting

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from flywheel.hub_client import Batch, BatchClient, BatchTimeout, ClaimsAhead
+from flywheel.redis_server import RedisServer
 from flywheel.staleness import StalenessPolicy
 from flywheel.store import META, GroupMeta, unpack
 from tests.conftest import Cluster, wait_until
@@ -197,3 +198,37 @@ def test_a_claim_made_ahead_dooms_what_it_could_not_take(cluster: Cluster) -> No
     pump_until(gen, lambda: lease.lease_id in gen.revoked, "the group the claim ahead dooms revoked")
     assert client.get_version() == 1
     assert client.counters()["groups_dropped_generating"] == 1
+
+
+def test_claims_a_dead_learner_never_trained_on_go_back_to_admission(redis_server: RedisServer) -> None:
+    """A learner killed after claiming its batch and the next one ahead loses both; a step whose
+    groups were all filtered out trains on none. Neither may shrink the admission window for
+    good (η = 2 admits three steps ahead: three such losses used to stop the run)."""
+    gps, eta = 4, 2
+    policy = StalenessPolicy(eta, gps)
+    client = BatchClient(redis_server.client(), "lost", policy)
+    keys = client.keys
+    client.redis.zadd(keys.ready, {str(g): 0 for g in range(5 * gps)})
+    issued = 5 * gps
+    assert client.redis.hset(keys.counters, "groups_issued", issued) == 1
+    first, _ = client.try_claim(gps, 0)
+    client.note_finished(len(first))  # trained: version 1
+    client.try_claim(gps, 1)  # the batch for v1 and the one claimed ahead for v2: the learner dies
+    client.try_claim(gps, 2)
+    counters = client.counters()
+    assert counters["groups_consumed"] == 3 * gps and counters.get("groups_dropped", 0) == 0
+    assert not policy.may_issue(issued, 0, 1), "the window is full of groups nobody will train on"
+
+    restarted = BatchClient(redis_server.client(), "lost", policy)
+    assert restarted.release_untrained() == 2 * gps
+    assert restarted.release_untrained() == 0, "released once"
+    counters = restarted.counters()
+    assert counters["groups_dropped"] == counters["groups_lost_with_learner"] == 2 * gps
+    assert policy.may_issue(issued, counters["groups_dropped"], 1)
+
+    filtered, _ = restarted.try_claim(gps, 1)
+    restarted.note_finished(len(filtered), trained=False)  # no signal: no step, still at v1
+    counters = restarted.counters()
+    assert counters["groups_filtered_out"] == gps and counters["groups_dropped"] == 3 * gps
+    assert counters["groups_finished"] == counters["groups_consumed"] == 4 * gps
+    assert restarted.release_untrained() == 0
