@@ -224,7 +224,12 @@ class LocalLaunch:
         old = self.redis
         old.stop()
         self.redis = RedisServer(
-            old.dir, port=old.port, appendfsync=self.cfg.redis.appendfsync, password=old.password, username=old.username
+            old.dir,
+            port=old.port,
+            appendfsync=self.cfg.redis.appendfsync,
+            password=old.password,
+            username=old.username,
+            ready_timeout_s=self.cfg.launch.ready_timeout_s,  # a long AOF loads before Redis answers
         )
         self._pin_redis()
 
@@ -530,7 +535,11 @@ class LocalLaunch:
                 raise RuntimeError(f"redis-server exited with code {code}; see {self.run_dir / 'redis'}")
             self.restarts["redis"] += 1
             self.console.print(f"[yellow]redis exited with code {code}: restart {self.restarts['redis']}")
-            self._restart_redis()
+            try:
+                self._restart_redis()
+            except (RuntimeError, TimeoutError) as err:  # tried again at the next check, while restarts last
+                self.console.print(f"[yellow]redis did not come back: {err}")
+                return None
             self._publish_pids()
         for svc in list(self.services):
             if svc.alive() or svc.name in ("sft", "eval_start", "eval_end"):

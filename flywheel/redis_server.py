@@ -41,6 +41,7 @@ class RedisServer:
         bind: str = "127.0.0.1",
         password: str | None = None,
         username: str | None = None,
+        ready_timeout_s: float = 10.0,
     ) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
@@ -76,7 +77,11 @@ class RedisServer:
         self.log_path = self.dir / "redis.log"
         self._log = self.log_path.open("ab")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
-        self._wait_ready(timeout_s=10.0)
+        try:
+            self._wait_ready(timeout_s=ready_timeout_s)
+        except BaseException:  # nothing left behind holding the port (or loading the AOF)
+            self.stop()
+            raise
 
     def _auth_config(self) -> list[str]:
         """The config file holding the password (it must be redis-server's first argument)."""
