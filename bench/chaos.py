@@ -34,18 +34,27 @@ def chaos(
     victims: tuple[str, ...] = VICTIMS,
     generators: int = 2,
     spares: int = 0,
+    standby_learner: bool = False,
 ) -> ChaosReport:
     run_dir = work / "run"
     overrides = ["--train.total_steps", str(steps), "--run.seed", str(seed), "--launch.generators", str(generators)]
-    overrides += ["--launch.spare_generators", str(spares)]
+    overrides += ["--launch.spare_generators", str(spares), "--launch.standby_learner", str(standby_learner).lower()]
     run = ChaosRun(str(ROOT / "configs" / "chaos.yaml"), run_dir, overrides, seed=seed)
     try:
         # start injecting once the loop trains (every service is up and a checkpoint exists) and
-        # the spare generators are loaded: the steady state the deployment is meant to have
+        # the spare generators (and the standby learner) are loaded: the steady state the deployment
+        # is meant to have
         if not run.wait("training", lambda: run.version() >= 3, timeout_s=600):
             raise RuntimeError(f"the run never started training; see {run.log_path}")
-        if not run.wait("spares loaded", lambda: len(list(run_dir.glob("spares/*.ready"))) >= spares, timeout_s=900):
+        if not run.wait(
+            "spares loaded", lambda: len(list(run_dir.glob("spares/spare*.ready"))) >= spares, timeout_s=900
+        ):
             raise RuntimeError(f"the spare generators never finished loading; see {run_dir / 'logs'}")
+        missing = standby_learner and not run.wait(
+            "standby learner", lambda: any(run_dir.glob("spares/learner*.ready")), timeout_s=600
+        )
+        if missing:
+            raise RuntimeError(f"the standby learner never finished its imports; see {run_dir / 'logs'}")
         run.inject(faults, interval, recover_timeout_s=600, victims=victims, until_version=steps - 8)
         return run.finish(timeout_s=1800)
     finally:
@@ -94,6 +103,12 @@ def main() -> int:
     p.add_argument(
         "--spares", type=int, default=2, help="spare generators held loaded (launch.spare_generators); 0: none"
     )
+    p.add_argument(
+        "--standby-learner",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="hold a standby learner (launch.standby_learner)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos.json")
     p.add_argument("--keep", action="store_true", help="keep the run directory")
     args = p.parse_args()
@@ -108,6 +123,7 @@ def main() -> int:
             tuple(args.victims),
             generators=args.generators,
             spares=args.spares,
+            standby_learner=args.standby_learner,
         )
         print(report.table())
         s = summary(report)

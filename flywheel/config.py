@@ -513,6 +513,12 @@ class TrainConfig(_Section):
     checkpoint_dir: str | None = Field(None, description="DeepSpeed checkpoints (plus the version) go here.")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint every this many steps (0: only at the end).")
     resume: bool = Field(False, description="Resume from the latest checkpoint in checkpoint_dir, if there is one.")
+    standby_file: str | None = Field(
+        None,
+        description="Start as the standby learner (the launcher sets it, launch.standby_learner): import what a "
+        "start imports, create <standby_file>.ready, then wait until <standby_file> appears; only then start "
+        "DeepSpeed, resume and train. Redis, the sync ports and the checkpoints are untouched until then.",
+    )
     export_dir: str | None = Field(None, description="Save the final policy as an HF checkpoint here.")
     run_dir: str | None = Field(
         None,
@@ -601,6 +607,13 @@ class LaunchConfig(_Section):
         "(generator.standby_file). When a generator dies, a spare takes its id at once and a new spare starts: "
         "the fleet is whole again in about a second instead of a vLLM start-up (minutes on busy CPUs). Each "
         "spare holds a generator's memory (and GPUs) while it waits.",
+    )
+    standby_learner: bool = Field(
+        False,
+        description="Local launcher, one learner process: hold a second learner process with torch, DeepSpeed "
+        "and the model's code imported (train.standby_file). When the learner dies, it takes over at once and "
+        "resumes from the checkpoint: seconds of imports saved from each learner restart. It holds no model "
+        "and no GPU memory while it waits.",
     )
     tiny_model: Literal["tiny", "small", "medium", "large", "0.5b"] | None = Field(
         None,

@@ -51,6 +51,10 @@ from flywheel.tasks import arithmetic_rows, write_jsonl
 
 log = logging.getLogger("flywheel.run")
 ROOT = Path(__file__).resolve().parents[1]
+STANDBY_LEARNER = "learner_standby"  # the service name of the standby learner (launch.standby_learner)
+# After a standby learner took over, its successor starts this much later: its imports take seconds
+# of CPU that the new learner's first steps need more (measured: a 1 s step took 3.5 s beside them).
+STANDBY_LEARNER_DELAY_S = 30.0
 
 
 class ServiceFailed(RuntimeError):
@@ -141,6 +145,9 @@ class LocalLaunch:
         self.generators: list[ServiceHandle] = []
         self.spares: list[ServiceHandle] = []  # generators loaded and idle (launch.spare_generators)
         self.spares_started = 0  # spare names are never reused: each has a log file of its own
+        self.standbys_started = 0  # standby learners, each with a takeover file of its own
+        self.learner_standby_file: Path | None = None
+        self.standby_learner_due: float | None = None  # when the next standby learner starts
         self.autoscaler: Autoscaler | None = None
         self.recipes: dict[str, tuple[str, list[str], dict[str, str] | None]] = {}  # how to start it again
         self.restarts: Counter[str] = Counter()
@@ -442,6 +449,8 @@ class LocalLaunch:
         if "generator" in start:  # once the fleet is up, so they do not slow its start
             for _ in range(self._spare_generators()):
                 self._start_spare()
+        if "learner" in start and cfg.launch.standby_learner:
+            self._start_standby_learner()
 
     def _start_generators(self, *extra: str) -> None:
         self.generators += [self._start_generator(i, *extra) for i in range(self.cfg.launch.generators)]
@@ -497,6 +506,37 @@ class LocalLaunch:
         self._start_spare(freed)  # (which publishes the pids, the promoted spare's new name included)
         return True
 
+    def _start_standby_learner(self) -> None:
+        """A second learner process, its imports done, that waits to take the learner's place."""
+        module, args, env = self.recipes["learner"]
+        if module != "learner":  # several ranks under torchrun: a standby would need as many
+            self.console.print("[yellow]launch.standby_learner needs launch.learner_procs 1: no standby learner")
+            return
+        # a file of its own: the one a promoted standby waits on must outlive the next standby's start
+        self.standbys_started += 1
+        self.learner_standby_file = self._spares_dir / f"learner{self.standbys_started}"
+        self._spares_dir.mkdir(exist_ok=True)
+        standby.clear(self.learner_standby_file)
+        if "learner" in self.gpu_plan:  # its devices, used only once it is the learner
+            self.gpu_plan[STANDBY_LEARNER] = self.gpu_plan["learner"]
+        flags = [*args, "--train.resume", "true", "--train.standby_file", str(self.learner_standby_file)]
+        self._service(STANDBY_LEARNER, module, *flags, env=env)
+
+    def _promote_standby_learner(self, dead: ServiceHandle) -> bool:
+        """Hand a dead learner's place to the standby learner (and start a standby in its stead)."""
+        ready = next((s for s in self.services if s.name == STANDBY_LEARNER and s.alive()), None)
+        path = self.learner_standby_file
+        if ready is None or path is None or not standby.is_ready(path):
+            return False
+        standby.hand_over(path, standby.Takeover("learner"))
+        self.console.print(f"[yellow]{STANDBY_LEARNER} takes the place of the learner")
+        ready.name = "learner"  # what the report, the chaos tests and a later restart know it by
+        self.services.remove(ready)
+        self.services[self.services.index(dead)] = ready
+        self.standby_learner_due = time.monotonic() + STANDBY_LEARNER_DELAY_S
+        self._publish_pids()  # the promoted one's new name
+        return True
+
     def _spare_generators(self) -> int:
         return self.cfg.launch.spare_generators
 
@@ -547,6 +587,9 @@ class LocalLaunch:
                 self.console.print(f"[yellow]redis did not come back: {err}")
                 return None
             self._publish_pids()
+        if self.standby_learner_due is not None and time.monotonic() >= self.standby_learner_due:
+            self.standby_learner_due = None
+            self._start_standby_learner()
         for svc in list(self.services):
             if svc.alive() or svc.name in ("sft", "eval_start", "eval_end"):
                 continue
@@ -566,6 +609,12 @@ class LocalLaunch:
         self.console.print(f"[yellow]{svc.name} exited with code {code}: restart {self.restarts[key]}")
         svc.stop(timeout_s=5)  # whatever of its process group is left (vLLM's engine core) goes too
         if svc.name.startswith("generator") and self._promote_spare(svc):
+            return
+        if svc.name == "learner" and self._promote_standby_learner(svc):
+            return
+        if svc.name == STANDBY_LEARNER:
+            self.services.remove(svc)
+            self._start_standby_learner()
             return
         self.services.remove(svc)
         if svc in self.spares:  # a fresh spare (new name, no ready mark) on the GPUs the dead one held

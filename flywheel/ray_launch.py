@@ -109,6 +109,8 @@ class RayLaunch(LocalLaunch):
         la = cfg.launch
         if la.spare_generators:
             self.console.print("[yellow]launch.spare_generators applies to the local launcher; no spares on Ray")
+        if la.standby_learner:
+            self.console.print("[yellow]launch.standby_learner applies to the local launcher; none on Ray")
         if la.cpus:  # services run on Ray's nodes, where this machine's CPU numbers mean nothing
             self.console.print(
                 "[yellow]launch.cpus applies to the local launcher; Ray places by launch.cpus_per_service"
@@ -140,6 +142,9 @@ class RayLaunch(LocalLaunch):
 
     def _spare_generators(self) -> int:
         return 0  # a spare waits for a file the launcher writes on its own machine
+
+    def _start_standby_learner(self) -> None:
+        return  # the same: its takeover is a file on the launcher's machine
 
     def _bundle(self, name: str) -> int:
         role = name if name in self.roles else "learner" if name in ("sft", "eval_start", "eval_end") else "hub"

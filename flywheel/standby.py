@@ -1,4 +1,5 @@
-"""Spare generators: the launcher's contract with a generator held loaded but idle.
+"""Spare generators and the standby learner: the launcher's contract with a service held
+loaded but idle.
 
 A spare (``generator.standby_file = F``) builds its engine, creates ``F.ready``, and waits for
 ``F``. When a generator dies, the launcher writes ``F`` (atomically: a temporary file renamed
@@ -6,6 +7,10 @@ over it) with the JSON ``{"id": ..., "ack_log": ...}`` of the generator it loses
 reads it and only then connects to the hub and to the learner's weight sync under that id. The
 hub takes the registration of a known id as that generator's restart (its leases are re-issued),
 and the learner's sync sees a member at an old version and sends it the current weights.
+
+The standby learner (``train.standby_file``) follows the same steps with the id ``learner``:
+it imports what a learner start imports, marks itself ready, and on its takeover resumes from
+the dead learner's checkpoint.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ MAX_TAKEOVER_BYTES = 1 << 16
 
 @dataclass(frozen=True)
 class Takeover:
-    """Who a spare becomes: the generator id it registers under, and that generator's ack log."""
+    """Who a spare becomes: the generator id it registers under, and that generator's ack log
+    (``learner`` and none for the standby learner)."""
 
     generator_id: str
     ack_log: str | None = None

@@ -6,9 +6,11 @@ One process per data-parallel rank: ``torchrun --nproc_per_node N -m learner ...
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
+from pathlib import Path
 
 from flywheel.config import FlywheelConfig, service_config
 from flywheel.logs import setup_logging
@@ -16,15 +18,38 @@ from flywheel.logs import setup_logging
 log = logging.getLogger("learner")
 
 
-def _single_process_env() -> None:
-    """Without a launcher: a world of one, on a free port."""
-    if "RANK" in os.environ:
-        return
+def _single_process_env(fresh_port: bool = False) -> None:
+    """Without a launcher: a world of one, on a free port (``fresh_port``: another one now, for a
+    standby learner that chose its port long before it starts)."""
     from flywheel.redis_server import free_port
 
-    os.environ.update(
-        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    )
+    if "RANK" not in os.environ:
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
+        os.environ["MASTER_PORT"] = str(free_port())
+        os.environ["FLYWHEEL_OWN_WORLD"] = "1"
+    elif fresh_port and os.environ.get("FLYWHEEL_OWN_WORLD") == "1":
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
+def _stand_by(model: str | None, standby_file: Path) -> None:
+    """The standby learner (launch.standby_learner): with torch, DeepSpeed and the trainer
+    imported, also import the model's code, mark itself ready and wait for the launcher's
+    takeover. What a learner start then has left is DeepSpeed's set-up and the checkpoint."""
+    from flywheel import standby
+
+    if model:
+        try:  # the model class's module: transformers imports it (and torch's compiler) lazily
+            from transformers import AutoConfig
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+            MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model))]
+        except Exception as err:  # only a head start: the learner imports it again for real
+            log.warning("standby: could not import the code of %s ahead: %s", model, err)
+    standby.mark_ready(standby_file)
+    log.info("standing by (%s): imports done, waiting to take the learner's place", standby_file)
+    takeover = asyncio.run(standby.wait_for_takeover(standby_file))
+    log.info("taking the learner's place (%s)", takeover.generator_id)
+    _single_process_env(fresh_port=True)
 
 
 STALE_BUILD_LOCK_S = 900  # no op build takes this long; a lock this old was left by a killed build
@@ -37,7 +62,6 @@ def _prepare_op_builds() -> None:
     every later start wait for it forever, so an old one is removed, loudly."""
     import hashlib
     import time
-    from pathlib import Path
 
     if "TORCH_EXTENSIONS_DIR" not in os.environ:
         env_id = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
@@ -61,6 +85,8 @@ def train(cfg: FlywheelConfig) -> int:
 
     from learner.trainer import Trainer, dist_env
 
+    if cfg.train.standby_file:
+        _stand_by(cfg.train.model, Path(cfg.train.standby_file))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")

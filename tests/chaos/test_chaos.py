@@ -1,8 +1,9 @@
-"""Chaos during a real training run (``configs/chaos.yaml`` with one vLLM-CPU generator and one
-spare: Redis, hub, reward service, generator, DeepSpeed learner): each service is killed with
-SIGKILL once, at a random moment. The launcher restarts each (the generator's place goes to the
-loaded spare); the run must still reach its last step, lose no acknowledged chunk and serve no
-group twice, and the generator must be back in seconds, not a vLLM start-up.
+"""Chaos during a real training run (``configs/chaos.yaml`` with one vLLM-CPU generator, one
+spare and a standby learner: Redis, hub, reward service, generator, DeepSpeed learner): each
+service is killed with SIGKILL once, at a random moment. The launcher restarts each (the
+generator's place goes to the loaded spare, the learner's to the standby learner); the run must
+still reach its last step, lose no acknowledged chunk and serve no group twice, and the
+generator must be back in seconds, not a vLLM start-up.
 
 ``bench/chaos.py`` is the long version, with two generators and every service killed twice.
 (``tests/integration/test_generator.py`` kills a generator mid-stream and another finishes its
@@ -29,7 +30,15 @@ def test_every_service_killed_once_and_training_still_reaches_its_target(tmp_pat
     # Faults start once the spare is loaded (about a minute, while the learner trains at a few
     # steps a second), and the last kill must come 8 steps before the end: 600 steps leave room.
     report = chaos(
-        len(victims), steps=600, interval=(0.5, 2.0), seed=1, work=tmp_path, victims=victims, generators=1, spares=1
+        len(victims),
+        steps=600,
+        interval=(0.5, 2.0),
+        seed=1,
+        work=tmp_path,
+        victims=victims,
+        generators=1,
+        spares=1,
+        standby_learner=True,
     )
     shown = report.table() + "\n" + json.dumps(summary(report))
     print(shown)
@@ -41,3 +50,5 @@ def test_every_service_killed_once_and_training_still_reaches_its_target(tmp_pat
     assert sum(report.restarts.values()) >= len(victims), shown
     (gen,) = [f for f in report.faults if f.service.startswith("generator")]
     assert gen.back_s is not None and gen.back_s < 30, f"the spare did not take the generator's place\n{shown}"
+    launcher_log = (tmp_path / "run.launcher.log").read_text()
+    assert "learner_standby takes the place of the learner" in launcher_log, shown

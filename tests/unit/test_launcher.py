@@ -4,6 +4,7 @@ from the training window alone."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,7 @@ class FakeService:
     def __init__(
         self, name: str, module: str, args: list[str], log_dir: Path, env: dict[str, str], cpus: set[int] | None
     ) -> None:
-        self.name, self.env, self.cpus = name, env, cpus
+        self.name, self.module, self.args, self.env, self.cpus = name, module, args, env, cpus
         FakeService.started.append(self)
 
 
@@ -211,3 +212,47 @@ def test_a_dead_generator_s_place_goes_to_a_loaded_spare(tmp_path: Path, monkeyp
     (third,) = launch.spares
     assert third.name == "spare2" and third.env["CUDA_VISIBLE_DEVICES"] == "2"
     assert launch.restarts["spares"] == 1 and launch.restarts["generator1"] == 2
+
+
+def test_a_dead_learner_s_place_goes_to_the_standby_learner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flywheel import standby
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    launch = _launch(tmp_path, monkeypatch, ["0", "1"], "--launch.standby_learner", "true")
+    monkeypatch.setattr(launcher, "Service", FakeProcess)
+    learner = launch._service("learner", "learner", "--train.run_dir", "r")
+    launch._start_standby_learner()
+
+    def standbys() -> list[Any]:
+        return [s for s in launch.services if s.name == "learner_standby"]
+
+    (first,) = standbys()
+    first_file = tmp_path / "spares" / "learner1"
+    assert first.module == "learner" and first.env["CUDA_VISIBLE_DEVICES"] == "0"  # the learner's GPU, for later
+    assert first.args == ["--train.run_dir", "r", "--train.resume", "true", "--train.standby_file", str(first_file)]
+
+    learner.code = -9  # dies before the standby's imports are done: an ordinary restart
+    launch._restart(learner)
+    restarted = launch.services[-1]
+    assert restarted.name == "learner" and restarted is not first and "--train.resume" in restarted.args
+    assert not first_file.exists()
+
+    standby.mark_ready(first_file)
+    restarted.code = -9  # now the standby takes its place
+    launch._restart(restarted)
+    assert standby.Takeover.decode(first_file.read_bytes(), "t") == standby.Takeover("learner")
+    assert first.name == "learner" and first in launch.services
+    assert restarted not in launch.services and restarted.stopped
+    assert not standbys(), "the next standby waits: its imports would slow the new learner's first steps"
+    assert launch.standby_learner_due is not None
+    launch.standby_learner_due = time.monotonic()  # its time came
+    launch._check_alive()
+    (second,) = standbys()  # a fresh standby, with a takeover file of its own (the first one's is in use)
+    assert second.args[-1] == str(tmp_path / "spares" / "learner2") and first_file.exists()
+
+    second.code = -9  # a standby dies while importing: a new one takes its turn
+    launch._restart(second)
+    (third,) = standbys()
+    assert third.args[-1] == str(tmp_path / "spares" / "learner3")
+    assert launch.restarts["learner_standby"] == 1 and launch.restarts["learner"] == 2
+    assert sorted(s.name for s in launch.services) == ["learner", "learner_standby"]

@@ -1,9 +1,12 @@
-"""The launcher's contract with a spare generator (``flywheel.standby``): the takeover file
-round-trips, and a bad one is refused with the field named."""
+"""The launcher's contract with a spare generator and the standby learner (``flywheel.standby``):
+the takeover file round-trips, a bad one is refused with the field named, and the standby learner
+waits for its takeover."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +68,33 @@ def test_garbage_never_passes_as_a_takeover() -> None:
         except ValueError:
             continue
         assert isinstance(t.generator_id, str) and t.generator_id
+
+
+def test_the_standby_learner_waits_for_its_takeover_then_gets_a_fresh_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import itertools
+    import threading
+
+    from flywheel import redis_server
+    from learner.__main__ import _single_process_env, _stand_by
+
+    ports = itertools.count(41000)
+    monkeypatch.setattr(redis_server, "free_port", lambda: next(ports))
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FLYWHEEL_OWN_WORLD"):
+        monkeypatch.delenv(var, raising=False)
+    _single_process_env()
+    assert os.environ["MASTER_PORT"] == "41000"
+    path = tmp_path / "learner1"
+    waiting = threading.Thread(target=_stand_by, args=(None, path), daemon=True)
+    waiting.start()
+    deadline = time.monotonic() + 10
+    while not is_ready(path):
+        assert time.monotonic() < deadline, "the standby never marked itself ready"
+        time.sleep(0.02)
+    time.sleep(0.3)
+    assert waiting.is_alive(), "a standby must wait for its takeover"
+    hand_over(path, Takeover("learner"))
+    waiting.join(timeout=10)
+    assert not waiting.is_alive()
+    assert os.environ["MASTER_PORT"] == "41001"  # the one chosen before the wait may be taken since
