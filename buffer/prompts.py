@@ -105,10 +105,8 @@ class PromptSource:
 
     @classmethod
     def from_config(cls, cfg: DataConfig) -> PromptSource:
-        from transformers import AutoTokenizer  # heavy: only once the config is parsed
-
         assert cfg.tokenizer is not None
-        return cls(cfg, load_rows(cfg), AutoTokenizer.from_pretrained(cfg.tokenizer))
+        return cls(cfg, load_rows(cfg), load_tokenizer(cfg.tokenizer))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -152,6 +150,27 @@ class PromptSource:
         out = np.asarray(ids, dtype=np.int32)
         out.flags.writeable = False  # shared by every group of this prompt
         return out
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer ``AutoTokenizer.from_pretrained(path)`` would load, without its import of
+    torch (through the model configuration classes): 4-5 s of a hub's start, or of its restart.
+
+    A local directory whose ``tokenizer_config.json`` names a ``tokenizer_class`` that transformers
+    has gets that class directly, which is what AutoTokenizer does with it. Anything else (a hub
+    name, no class named, custom code under ``auto_map``) goes through AutoTokenizer."""
+    import transformers  # heavy: only once the config is parsed
+
+    try:
+        conf = json.loads((Path(path) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        conf = {}
+    name = conf.get("tokenizer_class") if isinstance(conf, dict) else None
+    if isinstance(name, str) and "auto_map" not in conf:
+        tokenizer_class = getattr(transformers, name, None)
+        if tokenizer_class is not None:
+            return tokenizer_class.from_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path)
 
 
 def _scalar(value: Any) -> str | int | float | bool | None:

@@ -97,3 +97,37 @@ def test_bad_sources_say_what_to_fix(tmp_path: Path, tokenizer_dir: Path) -> Non
         load_rows(DataConfig(path=str(broken), tokenizer=str(tokenizer_dir)))
     with pytest.raises(ValueError, match="does not exist"):
         load_rows(DataConfig(path=str(tmp_path / "none.jsonl"), tokenizer=str(tokenizer_dir)))
+
+
+def test_the_tokenizer_is_autotokenizer_s_without_importing_torch(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """The hub loads the class tokenizer_config.json names (no torch import: seconds of every hub
+    start); it tokenizes exactly as AutoTokenizer's choice, and a directory that names no class
+    still loads, through AutoTokenizer."""
+    import shutil
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from buffer.prompts import load_tokenizer
+
+    reference, ours = AutoTokenizer.from_pretrained(tokenizer_dir), load_tokenizer(str(tokenizer_dir))
+    assert type(ours) is type(reference)
+    for text in ("What is 3 + 4?", "", "  spaces\tand\nnewlines  "):
+        assert ours(text, add_special_tokens=True)["input_ids"] == reference(text, add_special_tokens=True)["input_ids"]
+    chat = [{"role": "user", "content": "What is 3 + 4?"}]
+    ids = [
+        t.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)["input_ids"] for t in (ours, reference)
+    ]
+    assert ids[0] == ids[1] and ids[0]
+
+    code = f"import sys; from buffer.prompts import load_tokenizer; load_tokenizer({str(tokenizer_dir)!r}); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+    unnamed = tmp_path / "unnamed"
+    shutil.copytree(tokenizer_dir, unnamed)
+    conf = json.loads((unnamed / "tokenizer_config.json").read_text())
+    del conf["tokenizer_class"]
+    (unnamed / "tokenizer_config.json").write_text(json.dumps(conf))
+    assert load_tokenizer(str(unnamed))("What is 3 + 4?")["input_ids"] == reference("What is 3 + 4?")["input_ids"]
