@@ -60,7 +60,10 @@ class RedisConfig(_Section):
         None, description="Data directory of a private server (AOF files). Unset: a fresh temporary directory."
     )
     appendfsync: Literal["always", "everysec", "no"] = Field(
-        "everysec", description="AOF fsync policy of a private server."
+        "everysec",
+        description="AOF fsync policy of a private server. everysec: a crash of Redis itself (or of its machine) "
+        "can lose about the last second of writes, acknowledged chunks included; always: none, each write waits "
+        "for its fsync.",
     )
     socket_timeout_s: float = Field(
         10.0, gt=0, le=600, description="Timeout of every Redis call; a hung Redis raises instead of blocking forever."
