@@ -523,7 +523,7 @@ class LocalLaunch:
         self._service(STANDBY_LEARNER, module, *flags, env=env)
 
     def _promote_standby_learner(self, dead: ServiceHandle) -> bool:
-        """Hand a dead learner's place to the standby learner (and start a standby in its stead)."""
+        """Hand a dead learner's place to the standby learner; the next standby starts later."""
         ready = next((s for s in self.services if s.name == STANDBY_LEARNER and s.alive()), None)
         path = self.learner_standby_file
         if ready is None or path is None or not standby.is_ready(path):
