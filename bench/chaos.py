@@ -50,10 +50,9 @@ def chaos(
             "spares loaded", lambda: len(list(run_dir.glob("spares/spare*.ready"))) >= spares, timeout_s=900
         ):
             raise RuntimeError(f"the spare generators never finished loading; see {run_dir / 'logs'}")
-        missing = standby_learner and not run.wait(
+        if standby_learner and not run.wait(
             "standby learner", lambda: any(run_dir.glob("spares/learner*.ready")), timeout_s=600
-        )
-        if missing:
+        ):
             raise RuntimeError(f"the standby learner never finished its imports; see {run_dir / 'logs'}")
         run.inject(faults, interval, recover_timeout_s=600, victims=victims, until_version=steps - 8)
         return run.finish(timeout_s=1800)

@@ -5,7 +5,9 @@ waits for its takeover."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -73,9 +75,6 @@ def test_garbage_never_passes_as_a_takeover() -> None:
 def test_the_standby_learner_waits_for_its_takeover_then_gets_a_fresh_port(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import itertools
-    import threading
-
     from flywheel import redis_server
     from learner.__main__ import _single_process_env, _stand_by
 
