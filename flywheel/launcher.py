@@ -194,7 +194,11 @@ class LocalLaunch:
     def _start_redis(self) -> str:
         password, user = redis_password(self.cfg.redis), self.cfg.redis.username
         self.redis = RedisServer(
-            self.run_dir / "redis", appendfsync=self.cfg.redis.appendfsync, password=password, username=user
+            self.run_dir / "redis",
+            appendfsync=self.cfg.redis.appendfsync,
+            aof_rewrite_min_mb=self.cfg.redis.aof_rewrite_min_mb,
+            password=password,
+            username=user,
         )
         self._pin_redis()
         return self.redis.url
@@ -234,6 +238,7 @@ class LocalLaunch:
             old.dir,
             port=old.port,
             appendfsync=self.cfg.redis.appendfsync,
+            aof_rewrite_min_mb=self.cfg.redis.aof_rewrite_min_mb,
             password=old.password,
             username=old.username,
             ready_timeout_s=self.cfg.launch.ready_timeout_s,  # a long AOF loads before Redis answers

@@ -54,8 +54,23 @@ _ServiceActor: Any = ray.remote(num_cpus=0)(ServiceRunner)
 
 
 class RedisRunner:
-    def __init__(self, data_dir: str, bind: str, appendfsync: str, password: str | None, username: str | None) -> None:
-        self.server = RedisServer(data_dir, appendfsync=appendfsync, bind=bind, password=password, username=username)
+    def __init__(
+        self,
+        data_dir: str,
+        bind: str,
+        appendfsync: str,
+        aof_rewrite_min_mb: int,
+        password: str | None,
+        username: str | None,
+    ) -> None:
+        self.server = RedisServer(
+            data_dir,
+            appendfsync=appendfsync,
+            aof_rewrite_min_mb=aof_rewrite_min_mb,
+            bind=bind,
+            password=password,
+            username=username,
+        )
 
     def port(self) -> int:
         return self.server.port
@@ -159,6 +174,7 @@ class RayLaunch(LocalLaunch):
             str(self.run_dir / "redis"),
             bind,
             self.cfg.redis.appendfsync,
+            self.cfg.redis.aof_rewrite_min_mb,
             redis_password(self.cfg.redis),
             self.cfg.redis.username,
         )

@@ -38,6 +38,7 @@ class RedisServer:
         data_dir: str | Path | None = None,
         port: int | None = None,
         appendfsync: str = "everysec",
+        aof_rewrite_min_mb: int = 1024,
         bind: str = "127.0.0.1",
         password: str | None = None,
         username: str | None = None,
@@ -65,6 +66,10 @@ class RedisServer:
             "yes",
             "--appendfsync",
             appendfsync,
+            # each rewrite forks and rewrites the dataset: at the hub's write rates Redis's 64 MB
+            # meant one every few seconds, each a latency spike (config: redis.aof_rewrite_min_mb)
+            "--auto-aof-rewrite-min-size",
+            f"{aof_rewrite_min_mb}mb",
             "--save",
             "",
             "--protected-mode",
