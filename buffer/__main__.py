@@ -100,13 +100,22 @@ def _warn_unless_persistent(client: object, url: str) -> None:
     assert isinstance(client, redis.Redis)
     try:
         appendonly = client.config_get("appendonly").get("appendonly")
-    except redis.RedisError:  # managed Redis may refuse CONFIG: nothing to check
+        rewrite_min = int(client.config_get("auto-aof-rewrite-min-size").get("auto-aof-rewrite-min-size") or 0)
+    except (redis.RedisError, ValueError):  # managed Redis may refuse CONFIG: nothing to check
         return
     if appendonly != b"yes" and appendonly != "yes":
         log.warning(
             "Redis at %s runs without append-only persistence: a Redis crash loses acknowledged chunks; "
             "start it with --appendonly yes",
             url,
+        )
+    elif rewrite_min < 256 << 20:
+        log.info(
+            "Redis at %s rewrites its AOF from %d MB on: each rewrite forks Redis beside the hub, a latency "
+            "spike every few seconds at high token rates; --auto-aof-rewrite-min-size 1gb avoids most of them "
+            "(as redis.aof_rewrite_min_mb does for a private server)",
+            url,
+            rewrite_min >> 20,
         )
 
 
