@@ -153,6 +153,10 @@ class TurnWrite:
             queued_errors = [r for r in (ok, *queued) if isinstance(r, redis.ResponseError)]
             if isinstance(replies, redis.ResponseError):  # refused at queueing: EXEC aborted
                 raise TurnWriteError(f"the turn's transaction was aborted: {queued_errors or replies}")
+        except OSError as err:  # the socket's own errors, its timeout included, as redis-py's
+            self.close()
+            kind = redis.TimeoutError if isinstance(err, TimeoutError) else redis.ConnectionError
+            raise kind(f"the turn's write to Redis failed: {err!r}") from err
         except BaseException:
             # Whatever was left unread must not reach the next turn: drop the connection (the
             # next turn opens a fresh one).

@@ -3,7 +3,10 @@ redis-py's transaction pipeline, errors that fail the turn, and a connection tha
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import redis
 
 from buffer.turn_write import TurnWrite, TurnWriteError
 from flywheel.redis_server import RedisServer
@@ -80,6 +83,35 @@ def test_a_command_redis_refuses_fails_the_turn_and_the_connection_recovers(redi
     assert client.hget("c", "n") == b"1"  # the aborted turn applied nothing
     write.hincrby("c", "n", 1)
     assert write.execute() == [2]  # the same pool serves the next turn cleanly
+
+
+def test_a_redis_that_stops_answering_fails_the_turn_with_a_redis_timeout(redis_server: RedisServer) -> None:
+    """The replies are read off the socket directly: its timeout is still the client's, and it
+    surfaces as redis-py's TimeoutError (a RedisError: the hub exits for a restart)."""
+    client = redis_server.client(socket_timeout=0.5)
+    write = TurnWrite(client)
+    redis_server.client().execute_command("CLIENT", "PAUSE", "1500", "WRITE")  # writes wait 1.5 s
+    write.hincrby("c", "n", 1)
+    start = time.monotonic()
+    with pytest.raises(redis.TimeoutError, match="turn's write to Redis failed"):
+        write.execute()
+    assert time.monotonic() - start < 1.4, "the write waited past the socket timeout"
+    redis_server.client().execute_command("CLIENT", "UNPAUSE")
+    write.hincrby("c", "n", 1)
+    # a fresh connection; the timed-out turn may or may not have run once the pause ended, which
+    # is why the hub then exits and rebuilds its state from Redis
+    assert write.execute()[0] in (1, 2)
+
+
+def test_a_redis_that_dies_mid_turn_fails_the_turn_with_a_redis_error(redis_server: RedisServer) -> None:
+    write = TurnWrite(redis_server.client(socket_timeout=5.0))
+    write.hincrby("c", "n", 1)
+    assert write.execute() == [1]
+    redis_server.proc.kill()
+    redis_server.proc.wait(timeout=10)
+    write.hset("h", "f", b"x" * (1 << 20))
+    with pytest.raises(redis.ConnectionError):
+        write.execute()
 
 
 @pytest.mark.parametrize("bad", [None, True, 1.5j, ["list"], {"a": 1}])
