@@ -43,7 +43,6 @@ import platform
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,7 @@ import psutil  # noqa: E402
 
 from bench.simfleet import fleet_totals, hub_args, start_fleet, start_hub_and_reward, wait_registered  # noqa: E402
 from flywheel.hub_client import BatchClient, ClaimsAhead  # noqa: E402
-from flywheel.procs import Service  # noqa: E402
+from flywheel.procs import Service, scratch_dir  # noqa: E402
 from flywheel.redis_server import RedisServer  # noqa: E402
 from flywheel.staleness import StalenessPolicy  # noqa: E402
 from flywheel.tiny import build_tokenizer, write_arithmetic_jsonl  # noqa: E402
@@ -225,25 +224,25 @@ def learn(
 
 
 def sim_part(args: argparse.Namespace) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="flywheel-fleet-"))
-    args.tokenizer = build_tokenizer(work / "tokenizer")
-    args.data = write_arithmetic_jsonl(work / "prompts.jsonl", 4000)
-    print("simulated fleet (sync = the same system at eta 0)")
-    rows = sweep(work, args, args.generators, args.etas, args.learner_speed)
-    areal = [r for r in rows if r["eta"] >= 4 and r["speedup_vs_sync"]]  # η = 4-8: AReaL's range
-    # The learner's idle share at η = 4 hangs on how far the fleet outruns the learner: there the
-    # bound drops the groups that hold the longest responses (about a fifth of the tokens made),
-    # so the same sweep at other learner speeds shows where it crosses 5%.
-    sensitivity = []
-    for speed in args.sensitivity_speeds:
-        print(f"learner at {speed:g} of the fleet's nominal rate")
-        sensitivity += sweep(work, args, args.generators[:1], [0, *args.sensitivity_etas], speed)
-    return {
-        "speedup_sim": min((r["speedup_vs_sync"] for r in areal), default=None),
-        "learner_idle_sim": max((r["learner_idle_frac"] for r in areal), default=None),
-        "rows": rows,
-        "sensitivity": sensitivity,
-    }
+    with scratch_dir("flywheel-fleet-", args.keep_work) as work:
+        args.tokenizer = build_tokenizer(work / "tokenizer")
+        args.data = write_arithmetic_jsonl(work / "prompts.jsonl", 4000)
+        print("simulated fleet (sync = the same system at eta 0)")
+        rows = sweep(work, args, args.generators, args.etas, args.learner_speed)
+        areal = [r for r in rows if r["eta"] >= 4 and r["speedup_vs_sync"]]  # η = 4-8: AReaL's range
+        # The learner's idle share at η = 4 hangs on how far the fleet outruns the learner: there the
+        # bound drops the groups that hold the longest responses (about a fifth of the tokens made),
+        # so the same sweep at other learner speeds shows where it crosses 5%.
+        sensitivity = []
+        for speed in args.sensitivity_speeds:
+            print(f"learner at {speed:g} of the fleet's nominal rate")
+            sensitivity += sweep(work, args, args.generators[:1], [0, *args.sensitivity_etas], speed)
+        return {
+            "speedup_sim": min((r["speedup_vs_sync"] for r in areal), default=None),
+            "learner_idle_sim": max((r["learner_idle_frac"] for r in areal), default=None),
+            "rows": rows,
+            "sensitivity": sensitivity,
+        }
 
 
 def sweep(
@@ -421,6 +420,7 @@ def main() -> int:
     )
     p.add_argument("--sensitivity-etas", type=int, nargs="+", default=[4])
     p.add_argument("--oversubscribe", type=float, default=2.0, help="sequences leased per engine slot")
+    p.add_argument("--keep-work", action="store_true", help="keep the simulated runs' files (their Redis data)")
     p.add_argument("--update-s", type=float, default=0.02, help="a generator's weight-update pause")
     p.add_argument("--sync-s", type=float, default=0.01, help="the learner's weight broadcast")
     p.add_argument(

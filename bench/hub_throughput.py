@@ -22,7 +22,6 @@ import argparse
 import json
 import platform
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -36,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.raw_frames import run_raw_frames  # noqa: E402
 from flywheel.hub_client import BatchClient, BatchTimeout  # noqa: E402
-from flywheel.procs import Service, wait_for_state_file  # noqa: E402
+from flywheel.procs import Service, scratch_dir, wait_for_state_file  # noqa: E402
 from flywheel.redis_server import RedisServer  # noqa: E402
 from flywheel.staleness import StalenessPolicy  # noqa: E402
 from flywheel.tiny import build_tokenizer, write_arithmetic_jsonl  # noqa: E402
@@ -260,29 +259,31 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="short phases (under a minute of measuring)")
     p.add_argument("--generators", type=int, default=2)
+    p.add_argument("--keep-work", action="store_true", help="keep the run files (Redis's AOF: gigabytes)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "hub_throughput.json"))
     args = p.parse_args()
     seconds, warmup = (10.0, 4.0) if args.quick else (40.0, 8.0)
-    work = Path(tempfile.mkdtemp(prefix="flywheel-bench-"))
-
-    console.print(f"[bold]A[/bold] Flywheel, saturated, {args.generators} generators, {seconds:.0f}s ...")
-    sat = run_flywheel(work, args.generators, warmup, seconds, tokens_per_s=None)
-    paced_runs = {}
-    for share in (1.0, 0.5):  # chunk-to-durable latency at the target rate, and at half of it
-        offered = share * TARGET_TOKENS_PER_S
-        console.print(f"[bold]B[/bold] Flywheel paced at {offered / 1e6:.2f}M tokens/s ({share:.0%} of the target) ...")
-        paced_runs[share] = run_flywheel(work, args.generators, warmup, seconds, tokens_per_s=offered)
-    paced = paced_runs[1.0]
-    console.print("[bold]C[/bold] ray.util.queue.Queue, one put_nowait_batch per generator step ...")
-    ray_batched = run_ray(args.generators, seconds, batched=True)
-    console.print("[bold]D[/bold] ray.util.queue.Queue, one put per chunk ...")
-    ray_chunk = run_ray(args.generators, min(seconds, 10.0), batched=False)
-    frame = (CAPACITY * SAMPLES_PER_PROMPT, (CHUNK_MIN, CHUNK_MAX))
-    console.print(
-        "[bold]E[/bold] raw frames into Redis, none of the hub's work: saturated, then at the target rate ..."
-    )
-    raw_sat = run_raw_frames(work, args.generators, warmup, seconds, None, *frame)
-    raw_target = run_raw_frames(work, args.generators, warmup, seconds, TARGET_TOKENS_PER_S, *frame)
+    with scratch_dir("flywheel-bench-", args.keep_work) as work:
+        console.print(f"[bold]A[/bold] Flywheel, saturated, {args.generators} generators, {seconds:.0f}s ...")
+        sat = run_flywheel(work, args.generators, warmup, seconds, tokens_per_s=None)
+        paced_runs = {}
+        for share in (1.0, 0.5):  # chunk-to-durable latency at the target rate, and at half of it
+            offered = share * TARGET_TOKENS_PER_S
+            console.print(
+                f"[bold]B[/bold] Flywheel paced at {offered / 1e6:.2f}M tokens/s ({share:.0%} of the target) ..."
+            )
+            paced_runs[share] = run_flywheel(work, args.generators, warmup, seconds, tokens_per_s=offered)
+        paced = paced_runs[1.0]
+        console.print("[bold]C[/bold] ray.util.queue.Queue, one put_nowait_batch per generator step ...")
+        ray_batched = run_ray(args.generators, seconds, batched=True)
+        console.print("[bold]D[/bold] ray.util.queue.Queue, one put per chunk ...")
+        ray_chunk = run_ray(args.generators, min(seconds, 10.0), batched=False)
+        frame = (CAPACITY * SAMPLES_PER_PROMPT, (CHUNK_MIN, CHUNK_MAX))
+        console.print(
+            "[bold]E[/bold] raw frames into Redis, none of the hub's work: saturated, then at the target rate ..."
+        )
+        raw_sat = run_raw_frames(work, args.generators, warmup, seconds, None, *frame)
+        raw_target = run_raw_frames(work, args.generators, warmup, seconds, TARGET_TOKENS_PER_S, *frame)
 
     table = Table(title="hub_throughput: chunks of 16-64 tokens, samples of 256-4096 tokens")
     for col in (

@@ -30,7 +30,6 @@ import json
 import platform
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -49,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from bench.simfleet import fleet_totals, hub_args, start_fleet, start_hub_and_reward, wait_registered  # noqa: E402
 from flywheel.config import HubConfig  # noqa: E402
 from flywheel.hub_client import BatchClient, BatchTimeout, hub_metrics  # noqa: E402
-from flywheel.procs import Service  # noqa: E402
+from flywheel.procs import Service, scratch_dir  # noqa: E402
 from flywheel.redis_server import RedisServer  # noqa: E402
 from flywheel.staleness import StalenessPolicy  # noqa: E402
 from flywheel.store import LeaseRecord, RunKeys, SampleDone, chunks_by_sample, unpack  # noqa: E402
@@ -495,15 +494,16 @@ def main() -> int:
     p.add_argument("--generators", type=int, default=LoadConfig.generators)
     p.add_argument("--fleet-procs", type=int, default=LoadConfig.fleet_procs)
     p.add_argument("--seconds", type=float, default=LoadConfig.seconds, help="measured after registration")
+    p.add_argument("--keep-work", action="store_true", help="keep the run's files (logs, Redis data)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "load.json"))
     args = p.parse_args()
     cfg = LoadConfig(generators=args.generators, fleet_procs=args.fleet_procs, seconds=args.seconds)
     if args.quick:
         cfg.seconds = 30.0
     console = Console(width=120)
-    work = Path(tempfile.mkdtemp(prefix="flywheel-load-"))
-    result = run_load(work, cfg, console.print)
-    result["machine"] = {"cpus": psutil.cpu_count(), "platform": platform.platform(), "work_dir": str(work)}
+    with scratch_dir("flywheel-load-", args.keep_work) as work:
+        result = run_load(work, cfg, console.print)
+    result["machine"] = {"cpus": psutil.cpu_count(), "platform": platform.platform()}
     print_report(result, console)
     if not args.quick:
         out = Path(args.out)

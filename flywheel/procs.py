@@ -10,10 +10,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Protocol
@@ -146,3 +149,17 @@ def wait_for_state_file(path: Path, service: ServiceHandle, timeout_s: float = 6
         time.sleep(0.05)
     ports: dict[str, int] = json.loads(path.read_text())
     return ports
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str, keep: bool = False) -> Iterator[Path]:
+    """A fresh directory under the system's temp dir for one run's files (Redis's AOF among them:
+    gigabytes after a saturated benchmark), removed afterwards unless ``keep``."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield work
+    finally:
+        if keep:
+            print(f"run files kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
