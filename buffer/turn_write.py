@@ -149,9 +149,9 @@ class TurnWrite:
         try:
             sock = self._conn._sock
             sock.sendall(payload)
-            ok, *queued, replies = self._read_replies(sock, count + 2)
-            queued_errors = [r for r in (ok, *queued) if isinstance(r, redis.ResponseError)]
+            *queued, replies = self._read_replies(sock, count + 2)  # MULTI's OK, the QUEUEDs, EXEC's
             if isinstance(replies, redis.ResponseError):  # refused at queueing: EXEC aborted
+                queued_errors = [r for r in queued if isinstance(r, redis.ResponseError)]
                 raise TurnWriteError(f"the turn's transaction was aborted: {queued_errors or replies}")
         except OSError as err:  # the socket's own errors, its timeout included, as redis-py's
             self.close()
