@@ -14,7 +14,8 @@ At the end, an audit from the run's files and its Redis (reopened from the AOF):
   (the hub's counter, written in the same transaction as the chunks): an acknowledged chunk that
   Redis lost would show as more acks than chunks;
 - groups claimed twice (every learner rank's claims log): must be 0;
-- whether the learner reached ``train.total_steps``.
+- whether the learner reached ``train.total_steps``, or the step a finish request (``flywheel
+  finish``, sent once the faults are over) ended training at.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 
 import redis
 
-from flywheel.hub_client import hub_metrics
+from flywheel.hub_client import hub_metrics, request_finish
 from flywheel.redis_server import RedisServer
 from flywheel.store import RunKeys
 
@@ -237,6 +238,18 @@ class ChaosRun:
 
     # ------------------------------------------------------------------ the end
 
+    def finish_early(self, steps_left: int) -> int | None:
+        """End training ``steps_left`` steps from now (``flywheel finish``): once the faults are
+        over, the rest of ``train.total_steps`` would show nothing more. Returns the last step,
+        or None when the run's Redis could not be asked (the run then goes to its end)."""
+        try:
+            url = json.loads((self.run_dir / "services.json").read_text())["redis_url"]
+            name = _yaml(self.run_dir / "config.yaml")["run"]["name"]
+            client = redis.Redis.from_url(url, socket_timeout=10)
+            return request_finish(client, name, self.version() + steps_left)
+        except (OSError, ValueError, KeyError, redis.RedisError):
+            return None
+
     def finish(self, timeout_s: float) -> ChaosReport:
         try:
             self.proc.wait(timeout=timeout_s)
@@ -266,7 +279,7 @@ class ChaosRun:
         with contextlib.suppress(OSError, ValueError):
             r.restarts = json.loads((run_dir / "services.json").read_text())["restarts"]
         cfg = json.loads(json.dumps(_yaml(run_dir / "config.yaml")))
-        r.target_version = int(cfg["train"]["total_steps"])
+        r.target_version = int(cfg["train"]["total_steps"])  # or sooner, if a finish was asked (below)
         r.chunks_acked = sum(
             int(line) for f in (run_dir / "acks").glob("*.log") for line in f.read_text().split() if line.isdigit()
         )
@@ -276,8 +289,11 @@ class ChaosRun:
         # Redis again, from the run's AOF: what it persisted is what survived every crash
         with RedisServer(run_dir / "redis") as server:
             client = redis.Redis.from_url(server.url, socket_timeout=10)
-            counters = client.hgetall(RunKeys(cfg["run"]["name"]).counters)
-            r.chunks_persisted = int(counters.get(b"chunks_persisted", 0))
+            keys = RunKeys(cfg["run"]["name"])
+            r.chunks_persisted = int(client.hget(keys.counters, "chunks_persisted") or 0)
+            finish_at = client.get(keys.finish_at)
+            if finish_at is not None:
+                r.target_version = min(r.target_version, int(finish_at))
 
 
 def _yaml(path: Path) -> Any:

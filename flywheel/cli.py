@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from flywheel.config import ConfigError, help_text, reference_markdown
+from flywheel.config import ConfigError, help_text, load_config, reference_markdown
 
 USAGE = """usage: flywheel COMMAND [options]
 
@@ -15,6 +15,10 @@ commands:
         hub demo: private Redis + hub + simulated generators + reward worker + a consumer
   config [--markdown]
         print every config key with its type, default and meaning
+  finish RUN_DIR [--at-step N]          (a run of `flywheel run`)
+  finish --redis.url URL --run.name NAME [--at-step N]    (any other launch)
+        end a running training early, as at train.total_steps (checkpoint, export, final
+        evaluation): at step N, or as soon as every learner rank safely can; prints the step
   keys DIR
         make CURVE keys for security.curve: server and client keypairs, DIR/authorized/ holding
         the client keys the hub and the learner accept (pass --security.keys_dir DIR)
@@ -68,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"CURVE keys in {keys}: pass --security.curve true --security.keys_dir {keys}")
         print("servers (hub, learner) need server.key_secret and authorized/; clients server.key and client.key_secret")
         return 0
+    if command == "finish":
+        return _finish(rest)
     if command == "demo":
         if "-h" in rest or "--help" in rest:
             print(USAGE)
@@ -84,6 +90,43 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     print(f"flywheel: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
+
+
+def _finish(argv: list[str]) -> int:
+    """``flywheel finish``: store the step the learner ends at, in the run's Redis."""
+    import json
+    from pathlib import Path
+
+    if "-h" in argv or "--help" in argv:
+        print(USAGE)
+        return 0
+    run_dir = Path(argv.pop(0)) if argv and not argv[0].startswith("-") else None
+    try:
+        at_step = _pop_int(argv, "--at-step", 0)
+        url = None
+        if run_dir is not None:  # a local run: its resolved recipe and its private Redis
+            argv = ["--config", str(run_dir / "config.yaml"), *argv]
+            url = json.loads((run_dir / "services.json").read_text())["redis_url"]
+        cfg = load_config(argv)
+    except (OSError, ValueError, KeyError, IndexError) as err:
+        where = f"{run_dir} is not the directory of a running `flywheel run`: " if run_dir else ""
+        print(f"flywheel finish: {where}{err}", file=sys.stderr)
+        return 2
+    if (url or cfg.redis.url) is None:
+        print("flywheel finish: give the RUN_DIR of a local run, or --redis.url and --run.name", file=sys.stderr)
+        return 2
+    import redis
+
+    from flywheel.hub_client import request_finish
+    from flywheel.netsec import redis_client
+
+    try:
+        step = request_finish(redis_client(cfg.redis, url), cfg.run.name, at_step)
+    except redis.RedisError as err:
+        print(f"flywheel finish: the run's Redis did not answer: {err}", file=sys.stderr)
+        return 1
+    print(f"training ends at step {step}")
+    return 0
 
 
 if __name__ == "__main__":

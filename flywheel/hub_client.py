@@ -24,6 +24,7 @@ import redis
 from flywheel.staleness import StalenessPolicy
 from flywheel.store import (
     CLAIM_SCRIPT,
+    FINISH_SCRIPT,
     META,
     RELEASE_UNTRAINED_SCRIPT,
     GroupMeta,
@@ -85,6 +86,14 @@ class BatchTimeout(TimeoutError):
     pass
 
 
+def request_finish(client: redis.Redis, run: str, at_step: int = 0) -> int:
+    """Ask the run's learner to end training at ``at_step`` (0: as soon as it safely can) as it
+    would at ``train.total_steps``: checkpoint, export, last weight sync. Returns the step it
+    will end at, at least two past the version it has published (``FINISH_SCRIPT``)."""
+    keys = RunKeys(run)
+    return int(client.register_script(FINISH_SCRIPT)(keys=[keys.version, keys.finish_at], args=[at_step]))
+
+
 class BatchClient:
     """Claims batches for a learner at a known version. One per learner process."""
 
@@ -109,6 +118,11 @@ class BatchClient:
     def set_version(self, version: int) -> None:
         """Publish the learner's policy version (after each optimizer step)."""
         self._retry(lambda: self.redis.set(self.keys.version, version), "publishing the version")
+
+    def finish_step(self) -> int | None:
+        """The step a finish request ends training at (``request_finish``), or None."""
+        raw = self._retry(lambda: self.redis.get(self.keys.finish_at), "reading the finish step")
+        return int(raw) if raw is not None else None
 
     def _retry(self, call: Callable[[], T], what: str) -> T:
         """``call``, again while Redis is unreachable (restarting from its AOF), for at most

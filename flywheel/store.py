@@ -51,6 +51,7 @@ class RunKeys:
         self.source = f"{tag}:source"
         self.requeue = f"{tag}:requeue"
         self.claim_floor = f"{tag}:claim_floor"  # the oldest version the newest claim accepted
+        self.finish_at = f"{tag}:finish_at"  # the step a finish request ends training at (FINISH_SCRIPT)
         self._group_prefix = f"fw:{run}:g:{{{run}:"
 
     def group(self, group_id: int) -> str:
@@ -70,6 +71,7 @@ class RunKeys:
             self.source,
             self.requeue,
             self.claim_floor,
+            self.finish_at,
         ]
 
 
@@ -217,6 +219,27 @@ if lost > 0 then
   return lost
 end
 return 0
+"""
+
+# A request to end training early (``flywheel finish``): every learner rank stops once its
+# version reaches the step stored here, saves its checkpoint and exports, as at
+# ``train.total_steps``. The step is at least the published version + 2, so that no rank has
+# begun it when the request lands: ranks move in lockstep, within a step of the version rank 0
+# published, and each rank reads the key before every step. An earlier request already stored
+# stands; a later one cannot postpone it.
+#
+# KEYS: version, finish_at
+# ARGV: the step asked for (0: as soon as possible)
+# Returns the step training ends at.
+FINISH_SCRIPT = """
+local earliest = tonumber(redis.call('GET', KEYS[1]) or '0') + 2
+local at = math.max(tonumber(ARGV[1]), earliest)
+local stored = tonumber(redis.call('GET', KEYS[2]) or '-1')
+if stored >= 0 and stored <= at then
+  return stored
+end
+redis.call('SET', KEYS[2], at)
+return at
 """
 
 CLAIM_SCRIPT = """

@@ -251,7 +251,7 @@ class Trainer:
             self.export(Path(self.cfg.train.export_dir))
 
     def _loop(self, total: int, reporter: Any) -> None:
-        while self.version < total:
+        while self.version < (total := self._last_step(total)):
             t0 = time.perf_counter()
             batch = self.claim()
             waited = time.perf_counter() - t0
@@ -279,6 +279,15 @@ class Trainer:
                 }
             )
             reporter(stats)
+
+    def _last_step(self, total: int) -> int:
+        """``total``, or sooner when ``flywheel finish`` asked (read before every step: every
+        rank reads the same answer for the same step, see ``flywheel.store.FINISH_SCRIPT``)."""
+        finish = self.client.finish_step()
+        if finish is None or finish >= total:
+            return total
+        log.info("a finish was requested: training ends at step %d instead of %d", finish, total)
+        return finish
 
     def claim(self) -> Batch:
         """This step's batch. While it waits, generators that joined behind the last sync (or hold

@@ -13,7 +13,7 @@ import pytest
 import redis
 import torch
 
-from flywheel.hub_client import BatchClient
+from flywheel.hub_client import BatchClient, request_finish
 from flywheel.procs import Service
 from flywheel.redis_server import free_port
 from flywheel.staleness import StalenessPolicy
@@ -63,6 +63,11 @@ def start_rollouts(cluster: Cluster, *hub_overrides: str) -> None:
 def test_learner_trains_on_hub_batches(cluster: Cluster, checkpoint_dir: Path, stage: int, world: int) -> None:
     start_rollouts(cluster)
     run_dir, ckpt, export = cluster.tmp / "run", cluster.tmp / "ckpt", cluster.tmp / "export"
+    r = redis.Redis.from_url(cluster.redis.url)
+    keys = RunKeys("flywheel")
+    # ZeRO-2 on two ranks ends at a `flywheel finish` sent mid-run, not at train.total_steps:
+    # both ranks must stop at the same step, or one would wait for the other's collective forever.
+    finish_mid_run = (stage, world) == (2, 2)
     learner = start_learner(
         cluster,
         checkpoint_dir,
@@ -70,7 +75,7 @@ def test_learner_trains_on_hub_batches(cluster: Cluster, checkpoint_dir: Path, s
         "--ds.zero_stage",
         str(stage),
         "--train.total_steps",
-        "2",
+        "1000" if finish_mid_run else "2",
         "--train.run_dir",
         str(run_dir),
         "--train.checkpoint_dir",
@@ -79,18 +84,20 @@ def test_learner_trains_on_hub_batches(cluster: Cluster, checkpoint_dir: Path, s
         str(export),
         *(("--wandb.mode", "offline") if (stage, world) == (2, 1) else ()),
     )
+    last = 2
+    if finish_mid_run:
+        wait_until(lambda: int(r.get(keys.version) or 0) >= 1, 240, "the learner's first step")
+        last = request_finish(r, "flywheel")
     assert learner.proc.wait(timeout=300) == 0, learner.tail(60)
-    r = redis.Redis.from_url(cluster.redis.url)
-    keys = RunKeys("flywheel")
-    assert int(r.get(keys.version) or 0) == 2  # one version per optimizer step
+    assert int(r.get(keys.version) or 0) == last  # one version per optimizer step
     steps = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1, 2]
+    assert [s["step"] for s in steps] == list(range(1, last + 1))
     for s in steps:
         assert np.isfinite(s["loss/policy"]) and np.isfinite(s["grad_norm"]) and s["grad_norm"] > 0
         assert s["perf/micro_batches"] >= 2
         assert s["batch/groups"] == 2 // world
-    assert (ckpt / "latest").read_text().strip() == "v2"
-    assert (export / "flywheel_version").read_text() == "2"
+    assert (ckpt / "latest").read_text().strip() == f"v{last}"
+    assert (export / "flywheel_version").read_text() == str(last)
     from transformers import AutoModelForCausalLM
 
     trained = AutoModelForCausalLM.from_pretrained(export)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from flywheel.hub_client import Batch, BatchClient, BatchTimeout, ClaimsAhead
+from flywheel.hub_client import Batch, BatchClient, BatchTimeout, ClaimsAhead, request_finish
 from flywheel.redis_server import RedisServer
 from flywheel.staleness import StalenessPolicy
-from flywheel.store import META, GroupMeta, unpack
-from tests.conftest import Cluster, wait_until
+from flywheel.store import META, GroupMeta, RunKeys, unpack
+from tests.conftest import ROOT, Cluster, wait_until
 from tests.integration.handgen import HandGenerator, make_chunk
 from tests.integration.test_hub_protocol import pump_until, rejected
 
@@ -232,3 +236,39 @@ def test_claims_a_dead_learner_never_trained_on_go_back_to_admission(redis_serve
     assert counters["groups_filtered_out"] == gps and counters["groups_dropped"] == 3 * gps
     assert counters["groups_finished"] == counters["groups_consumed"] == 4 * gps
     assert restarted.release_untrained() == 0
+
+
+def test_a_finish_request_lands_past_every_rank_s_next_step_and_never_postpones(redis_server: RedisServer) -> None:
+    """``flywheel finish``: the step stored is at least the published version + 2 (no learner
+    rank can have begun it); an earlier request stands, an earlier one still replaces it."""
+    client = BatchClient(redis_server.client(), "finish", StalenessPolicy(1, 2))
+    assert client.finish_step() is None
+    assert request_finish(client.redis, "finish", 0) == 2, "at version 0, as soon as possible: step 2"
+    client.set_version(5)
+    assert request_finish(client.redis, "finish", 0) == 2, "an earlier finish stands"
+    client.redis.delete(client.keys.finish_at)
+    assert request_finish(client.redis, "finish", 3) == 7, "step 3 is too soon at version 5"
+    assert request_finish(client.redis, "finish", 40) == 7, "a later request does not postpone it"
+    client.redis.delete(client.keys.finish_at)
+    assert request_finish(client.redis, "finish", 40) == 40
+    assert request_finish(client.redis, "finish", 20) == 20, "an earlier request wins"
+    assert client.finish_step() == 20
+
+
+def test_flywheel_finish_names_what_is_missing_and_stores_the_step(redis_server: RedisServer, tmp_path: Path) -> None:
+    def finish(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "flywheel.cli", "finish", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+    out = finish(str(tmp_path))
+    assert out.returncode == 2 and "not the directory of a running `flywheel run`" in out.stderr, out.stderr
+    out = finish("--at-step", "3")
+    assert out.returncode == 2 and "--redis.url and --run.name" in out.stderr, out.stderr
+    out = finish("--redis.url", redis_server.url, "--run.name", "cli", "--at-step", "9")
+    assert out.returncode == 0 and out.stdout.strip() == "training ends at step 9", out.stdout + out.stderr
+    assert redis_server.client().get(RunKeys("cli").finish_at) == b"9"
+
+    (tmp_path / "services.json").write_text(json.dumps({"pids": {}, "redis_url": redis_server.url}))
+    (tmp_path / "config.yaml").write_text("run:\n  name: local\n")
+    out = finish(str(tmp_path))
+    assert out.returncode == 0 and out.stdout.strip() == "training ends at step 2", out.stdout + out.stderr
