@@ -29,6 +29,7 @@ def test_every_service_killed_once_and_training_still_reaches_its_target(tmp_pat
     victims = VICTIMS
     # Faults start once the spare is loaded (about a minute, while the learner trains at a few
     # steps a second), and the last kill must come 8 steps before the end: 600 steps leave room.
+    # Once the faults are over, `flywheel finish` ends the run 8 steps later, not at step 600.
     report = chaos(
         len(victims),
         steps=600,
@@ -45,6 +46,7 @@ def test_every_service_killed_once_and_training_still_reaches_its_target(tmp_pat
     assert sorted(f.service.rstrip("0123456789") for f in report.faults) == sorted(victims), shown
     assert all(f.recovery_s is not None for f in report.faults), shown
     assert report.reached_target, shown
+    assert report.target_version < 600, f"the finish request did not end the run early\n{shown}"
     assert report.chunks_acked > 0 and report.acked_not_persisted == 0, shown
     assert report.groups_claimed > 0 and report.groups_claimed_twice == 0, shown
     assert sum(report.restarts.values()) >= len(victims), shown
