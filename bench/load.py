@@ -213,7 +213,8 @@ def audit(audit_files: list[Path], consumer: Consumer, client: Any, run: str) ->
     """Every chunk acknowledged to a generator must be in Redis or consumed.
 
     Per (group, sample) only the latest lease's chunks count: a re-issued lease (its generator
-    evicted) has its earlier chunks deleted on purpose; those are counted apart. A consumed
+    evicted) supersedes its earlier chunks (kept in Redis, ignored by readers); those are
+    counted apart. A consumed
     sample is complete (the consumer assembled chunks 0..final), so its acknowledged tokens must
     not exceed what was consumed.
     """

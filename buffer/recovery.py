@@ -59,8 +59,9 @@ def load(hub: Hub) -> None:
             continue
         hub.leases[rec.lease_id] = ActiveLease(rec)
         for s in rec.samples:
-            if hub.groups[rec.group_id].samples[s].done is None:
-                hub.groups[rec.group_id].samples[s].lease_id = rec.lease_id
+            sample = hub.groups[rec.group_id].samples[s]
+            if sample.done is None:
+                _keep_lease_chunks(sample, rec.lease_id)
         gen = hub.generators.get(rec.generator_id or "")
         if rec.generator_id is None or gen is None:
             rec.generator_id = None
@@ -97,9 +98,7 @@ def _load_group(hub: Hub, gid: int) -> OpenGroup | None:
     samples = [SampleAssembly(lease_id=-1) for _ in range(meta.n_samples)]
     for field, value in raw.items():
         kind, _, rest = field.partition(b":")
-        if kind == b"c":
-            samples[int(rest.split(b":")[0])].blobs.append(field)
-        elif kind == b"s":
+        if kind == b"s":
             done = samples[int(rest)].done = unpack(SampleDone, value)
             samples[int(rest)].lease_id = done.lease_id
             samples[int(rest)].final_seq = done.n_chunks - 1
@@ -124,3 +123,13 @@ def _load_group(hub: Hub, gid: int) -> OpenGroup | None:
         if group.all_done():
             group.move(GroupState.COMPLETE)
     return group
+
+
+def _keep_lease_chunks(sample: SampleAssembly, lease_id: int) -> None:
+    """An unfinished sample's chunks are its current lease's only: one re-issued before the hub
+    died may have stored chunks of an earlier lease and none yet of its new one."""
+    sample.lease_id = lease_id
+    if any(c.lease_id != lease_id for c in sample.chunks.values()):
+        sample.chunks = {q: c for q, c in sample.chunks.items() if c.lease_id == lease_id}
+        finals = [c.seq for c in sample.chunks.values() if c.finish_reason is not None]
+        sample.final_seq = finals[0] if finals else None

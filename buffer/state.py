@@ -19,7 +19,6 @@ class SampleAssembly:
     lease_id: int
     chunks: dict[int, Chunk] = field(default_factory=dict)
     pending: list[Chunk] = field(default_factory=list)  # accepted this turn, not yet in Redis
-    blobs: list[bytes] = field(default_factory=list)  # Redis fields holding its earlier chunks
     final_seq: int | None = None
     done: SampleDone | None = None  # set once every chunk up to the final one is in
     response: bytes | None = None  # packed tokens, kept only until the sample is scored
@@ -62,12 +61,11 @@ class SampleAssembly:
         self.chunks = {}
         return self.done
 
-    def restart(self, lease_id: int) -> list[bytes]:
-        """Drop partial chunks (re-issued to a new lease); return the Redis fields to delete."""
-        blobs = self.blobs
-        self.lease_id, self.chunks, self.final_seq, self.pending, self.blobs = lease_id, {}, None, [], []
+    def restart(self, lease_id: int) -> None:
+        """Drop partial chunks: the sample is re-issued to a new lease and starts again at seq 0.
+        Those already stored stay in Redis, superseded by the new lease's (``chunks_by_sample``)."""
+        self.lease_id, self.chunks, self.final_seq, self.pending = lease_id, {}, None, []
         self.oldest = None
-        return blobs
 
 
 @dataclass

@@ -79,13 +79,14 @@ class RunKeys:
 META = b"meta"
 
 
-def chunk_blob_field(sample: int, first_seq: int) -> bytes:
-    """One field per (sample, hub turn): the chunks of that sample accepted in that turn.
+def chunk_blob_field(lease_id: int, sample: int, first_seq: int) -> bytes:
+    """One field per (group, hub turn): the group's chunks accepted in that turn, all samples.
 
-    Named by the sequence number of its first chunk, which no other blob of the sample holds
-    (each chunk is stored once), so names never collide.
+    Named by its first chunk's (lease, sample, seq), which no other blob holds (each chunk is
+    stored once), so names never collide, not even with a re-issued sample's, whose seqs start
+    again at 0 under a new lease.
     """
-    return b"c:%d:%d" % (sample, first_seq)
+    return b"c:%d:%d:%d" % (lease_id, sample, first_seq)
 
 
 def sample_field(sample: int) -> bytes:
@@ -138,12 +139,23 @@ def assemble(chunks: dict[int, Chunk], n_chunks: int) -> AssembledSample:
 
 
 def chunks_by_sample(raw: dict[bytes, bytes]) -> dict[int, dict[int, Chunk]]:
-    """Decode every chunk blob of a group hash: sample -> seq -> chunk."""
+    """Decode every chunk blob of a group hash: sample -> seq -> chunk, of each sample's newest
+    lease only. A re-issued sample's earlier chunks stay in the group's blobs beside other
+    samples' (they are dropped with the group), and its lease ids only grow, so the newest
+    lease's chunks are the sample's, whatever order the fields come in."""
     out: dict[int, dict[int, Chunk]] = {}
+    lease_of: dict[int, int] = {}
     for name, value in raw.items():
         if name.startswith(b"c:"):
             for chunk in unpack_chunks(value):
-                out.setdefault(chunk.sample, {})[chunk.seq] = chunk
+                s, lease = chunk.sample, chunk.lease_id
+                newest = lease_of.get(s, -1)
+                if lease > newest:
+                    lease_of[s] = lease
+                    out[s] = {}
+                elif lease < newest:
+                    continue  # an earlier lease's, superseded
+                out[s][chunk.seq] = chunk
     return out
 
 

@@ -6,6 +6,7 @@ import re
 import time
 
 import msgspec
+import pytest
 import zmq
 
 from flywheel.hub_client import BatchClient
@@ -92,8 +93,12 @@ def test_garbage_is_counted_and_the_hub_keeps_serving(cluster: Cluster) -> None:
     evil.close()
 
 
-def test_dead_generator_lease_is_reissued_for_unfinished_samples(cluster: Cluster) -> None:
-    cluster.start_hub(
+@pytest.mark.parametrize("hub_restart", [False, True])
+def test_dead_generator_lease_is_reissued_for_unfinished_samples(cluster: Cluster, hub_restart: bool) -> None:
+    """With ``hub_restart``, the hub is killed once the sample is re-issued and before its new
+    lease sent anything: the restarted hub must not take the old lease's stored chunk (seq 0,
+    still in Redis) for the new lease's seq 0."""
+    args = (
         "--hub.generator_timeout_s",
         "1.5",
         "--data.n_samples_per_prompt",
@@ -103,6 +108,7 @@ def test_dead_generator_lease_is_reissued_for_unfinished_samples(cluster: Cluste
         "--async.max_staleness",
         "0",
     )
+    ports = cluster.start_hub(*args)
     a = HandGenerator(cluster.gen_address, "gen-a")
     a.register()
     lease = a.wait_lease()
@@ -122,6 +128,10 @@ def test_dead_generator_lease_is_reissued_for_unfinished_samples(cluster: Cluste
     # gen-a comes back too late: its chunk for the old lease is refused, not merged
     a.send(make_chunk(lease, 1, 1, 0, final=True))
     pump_until(a, lambda: a.rejected == 1, "rejection of the stale lease's chunk")
+    if hub_restart:
+        assert cluster.hub is not None
+        cluster.hub.kill9()
+        cluster.start_hub(*args, ports=ports)
 
     b.send(make_chunk(re_lease, 1, 0, 0, final=False), make_chunk(re_lease, 1, 1, 0, final=True))
     cluster.start_reward()
