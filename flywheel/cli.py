@@ -15,10 +15,11 @@ commands:
         hub demo: private Redis + hub + simulated generators + reward worker + a consumer
   config [--markdown]
         print every config key with its type, default and meaning
-  finish RUN_DIR [--at-step N]          (a run of `flywheel run`)
-  finish --redis.url URL --run.name NAME [--at-step N]    (any other launch)
+  finish RUN_DIR [--at-step N | --cancel]          (a run of `flywheel run`)
+  finish --redis.url URL --run.name NAME [--at-step N | --cancel]    (any other launch)
         end a running training early, as at train.total_steps (checkpoint, export, final
-        evaluation): at step N, or as soon as every learner rank safely can; prints the step
+        evaluation): at step N, or as soon as every learner rank safely can; prints the step.
+        --cancel forgets the request (to train a finished run on)
   keys DIR
         make CURVE keys for security.curve: server and client keypairs, DIR/authorized/ holding
         the client keys the hub and the learner accept (pass --security.keys_dir DIR)
@@ -101,6 +102,9 @@ def _finish(argv: list[str]) -> int:
         print(USAGE)
         return 0
     run_dir = Path(argv.pop(0)) if argv and not argv[0].startswith("-") else None
+    cancel = "--cancel" in argv
+    if cancel:
+        argv.remove("--cancel")
     try:
         at_step = _pop_int(argv, "--at-step", 0)
         url = None
@@ -117,11 +121,16 @@ def _finish(argv: list[str]) -> int:
         return 2
     import redis
 
-    from flywheel.hub_client import request_finish
+    from flywheel.hub_client import cancel_finish, request_finish
     from flywheel.netsec import redis_client
 
     try:
-        step = request_finish(redis_client(cfg.redis, url), cfg.run.name, at_step)
+        client = redis_client(cfg.redis, url)
+        if cancel:
+            had = cancel_finish(client, cfg.run.name)
+            print("finish request forgotten" if had else "no finish was requested")
+            return 0
+        step = request_finish(client, cfg.run.name, at_step)
     except redis.RedisError as err:
         print(f"flywheel finish: the run's Redis did not answer: {err}", file=sys.stderr)
         return 1

@@ -94,6 +94,11 @@ def request_finish(client: redis.Redis, run: str, at_step: int = 0) -> int:
     return int(client.register_script(FINISH_SCRIPT)(keys=[keys.version, keys.finish_at], args=[at_step]))
 
 
+def cancel_finish(client: redis.Redis, run: str) -> bool:
+    """Forget a finish request (to train a finished run on); whether there was one."""
+    return bool(client.delete(RunKeys(run).finish_at))
+
+
 class BatchClient:
     """Claims batches for a learner at a known version. One per learner process."""
 

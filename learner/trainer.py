@@ -286,7 +286,11 @@ class Trainer:
         finish = self.client.finish_step()
         if finish is None or finish >= total:
             return total
-        log.info("a finish was requested: training ends at step %d instead of %d", finish, total)
+        log.info(
+            "a finish was requested: training ends at step %d instead of %d (`flywheel finish --cancel` forgets it)",
+            finish,
+            total,
+        )
         return finish
 
     def claim(self) -> Batch:

@@ -272,3 +272,8 @@ def test_flywheel_finish_names_what_is_missing_and_stores_the_step(redis_server:
     (tmp_path / "config.yaml").write_text("run:\n  name: local\n")
     out = finish(str(tmp_path))
     assert out.returncode == 0 and out.stdout.strip() == "training ends at step 2", out.stdout + out.stderr
+    out = finish(str(tmp_path), "--cancel")
+    assert out.returncode == 0 and out.stdout.strip() == "finish request forgotten", out.stdout + out.stderr
+    assert redis_server.client().get(RunKeys("local").finish_at) is None
+    out = finish(str(tmp_path), "--cancel")
+    assert out.stdout.strip() == "no finish was requested", out.stdout + out.stderr
