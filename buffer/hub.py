@@ -115,9 +115,9 @@ class Hub:
 
         # per-turn output, flushed after the Redis write
         self._pipe = TurnWrite(client)
-        # samples that accepted chunks this turn; at flush each writes them as one blob (one
-        # HSET per group)
-        self._dirty: list[tuple[int, int, SampleAssembly]] = []
+        # (group id, sample) of the samples that accepted chunks this turn; at flush each group
+        # writes its samples' chunks as one blob
+        self._dirty: list[tuple[int, SampleAssembly]] = []
         # per peer: flat [group, sample, seq, group, sample, seq, ...] acknowledged this turn
         self._acks: dict[bytes, list[int]] = defaultdict(list)
         self._rejections: dict[bytes, list[ChunkRejection]] = defaultdict(list)
@@ -287,7 +287,7 @@ class Hub:
         # chunk (in-process, a tenth of the hub's time per chunk).
         by_group: dict[int, list[Chunk]] = defaultdict(list)
         persisted = 0
-        for gid, _, sample in self._dirty:
+        for gid, sample in self._dirty:
             if sample.pending:
                 persisted += len(sample.pending)
                 by_group[gid] += sample.pending
@@ -423,7 +423,7 @@ class Hub:
             if sample.oldest is None:
                 sample.note_chunk_version(c.versions)
             if not sample.pending:
-                dirty.append((c.group_id, c.sample, sample))
+                dirty.append((c.group_id, sample))
             sample.pending.append(c)
             acks += (c.group_id, c.sample, seq)
             stats.chunks_in += 1
