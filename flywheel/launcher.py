@@ -135,6 +135,7 @@ class LocalLaunch:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.services: list[ServiceHandle] = []
         self.redis: RedisServer | None = None
+        self.redis_url = cfg.redis.url  # the run's Redis, whoever started it (services.json says)
         self.overrides: list[str] = []  # what the launcher decided: every service gets these flags
         self.hub_ports: dict[str, int] = {}
         self.timeline = Timeline()
@@ -263,11 +264,10 @@ class LocalLaunch:
 
     def _publish_pids(self) -> None:
         pids = {svc.name: getattr(svc, "pid", None) for svc in self.services}
-        redis_url = None
         if self.redis is not None:
-            pids["redis"], redis_url = self.redis.proc.pid, self.redis.url
+            pids["redis"] = self.redis.proc.pid
         tmp = self.run_dir / "services.json.tmp"
-        tmp.write_text(json.dumps({"pids": pids, "restarts": dict(self.restarts), "redis_url": redis_url}))
+        tmp.write_text(json.dumps({"pids": pids, "restarts": dict(self.restarts), "redis_url": self.redis_url}))
         tmp.replace(self.run_dir / "services.json")
 
     @cached_property
@@ -329,7 +329,7 @@ class LocalLaunch:
                 check_keys(cfg.security, server=True)
                 check_keys(cfg.security, server=False)
         if "redis" in start:
-            url = self._start_redis()
+            url = self.redis_url = self._start_redis()
             self.overrides += ["--redis.url", url]
             self.console.print(f"redis: {url} (AOF in {self.run_dir / 'redis'})")
         elif cfg.redis.url is None:

@@ -119,14 +119,31 @@ def test_ctrl_c_shuts_everything_down(tmp_path: Path) -> None:
 
 
 def test_ray_launcher_runs_the_same_loop_as_actors(tmp_path: Path) -> None:
+    """... and ends at a `flywheel finish` sent once the learner trains, not at its 1000 steps:
+    the final evaluation and the report follow as at train.total_steps."""
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "--launch.launcher", "ray", "--train.total_steps", "4", "--sft.steps", "10")
-    out, pids = watch(proc, timeout_s=600)
+    proc = launch(run_dir, "--launch.launcher", "ray", "--train.total_steps", "1000", "--sft.steps", "10")
+    out, pids = watch(proc, timeout_s=600, until="/1000 reward")  # the watch lines have begun
+    metrics = run_dir / "learner_metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and not (metrics.exists() and metrics.read_text().strip()):
+        assert time.monotonic() < deadline, out.text()[-5000:]
+        time.sleep(0.5)
+    asked = subprocess.run(
+        [sys.executable, "-m", "flywheel.cli", "finish", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert asked.returncode == 0, asked.stdout + asked.stderr + out.text()[-5000:]
+    last = int(asked.stdout.split()[-1])  # "training ends at step N"
+    proc.wait(timeout=600)
     text = finish(proc, out)
     assert proc.returncode == 0, text[-5000:]
     assert "ray: placement group of 4 bundles on 1 node(s)" in text
     for service in ("hub", "reward", "generator0", "learner"):
         assert f"ray: {service} on " in text
     summary = json.loads((run_dir / "report" / "summary.json").read_text())
-    assert summary["steps"] == 4 and "accuracy_end" in summary
+    assert summary["steps"] == last < 1000 and "accuracy_end" in summary
     assert_no_orphans(pids)
