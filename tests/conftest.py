@@ -200,22 +200,10 @@ HEAVY_MODULES = {
 }
 
 
-# Tests of a heavy module that need about one core (a DeepSpeed learner of one rank and one
-# thread, a simulated generator and the hub): they run beside the short tests, whose worker
-# otherwise waits out the last third of the run while the heavy group goes on alone.
-BESIDE_THE_SHORT_ONES = {
-    "tests/integration/test_learner.py::test_learner_trains_on_hub_batches[2-1]",
-    "tests/integration/test_learner.py::test_learner_trains_on_hub_batches[3-1]",
-    "tests/integration/test_learner.py::test_ppo_with_a_critic_trains_and_checkpoints_both_models",
-    "tests/integration/test_learner.py::test_resume_gives_the_same_loss_as_an_uninterrupted_run",
-    "tests/integration/test_learner.py::test_bad_learner_flags_name_the_flag",
-}
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.nodeid.split("::", 1)[0] in HEAVY_MODULES and item.nodeid not in BESIDE_THE_SHORT_ONES:
+        if item.nodeid.split("::", 1)[0] in HEAVY_MODULES:
             item.add_marker(pytest.mark.xdist_group("heavy"))
 
 
