@@ -36,6 +36,7 @@ from typing import Any
 import redis
 
 from flywheel.hub_client import hub_metrics, request_finish
+from flywheel.launcher import read_services, run_redis_url
 from flywheel.redis_server import RedisServer
 from flywheel.store import RunKeys
 
@@ -127,7 +128,7 @@ class ChaosRun:
 
     def pids(self) -> dict[str, int]:
         try:
-            data = json.loads((self.run_dir / "services.json").read_text())
+            data = read_services(self.run_dir)
         except (OSError, ValueError):
             return {}
         return {k: v for k, v in data["pids"].items() if v is not None}
@@ -154,8 +155,7 @@ class ChaosRun:
 
     def redis_answers(self) -> bool:
         try:
-            url = json.loads((self.run_dir / "services.json").read_text())["redis_url"]
-            return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
+            return bool(redis.Redis.from_url(run_redis_url(self.run_dir), socket_timeout=1).ping())
         except (OSError, ValueError, KeyError, redis.RedisError):
             return False
 
@@ -243,7 +243,7 @@ class ChaosRun:
         over, the rest of ``train.total_steps`` would show nothing more. Returns the last step,
         or None when the run's Redis could not be asked (the run then goes to its end)."""
         try:
-            url = json.loads((self.run_dir / "services.json").read_text())["redis_url"]
+            url = run_redis_url(self.run_dir)
             name = _yaml(self.run_dir / "config.yaml")["run"]["name"]
             client = redis.Redis.from_url(url, socket_timeout=10)
             return request_finish(client, name, self.version() + steps_left)
@@ -277,7 +277,7 @@ class ChaosRun:
     def _audit(self) -> None:
         r, run_dir = self.report, self.run_dir
         with contextlib.suppress(OSError, ValueError):
-            r.restarts = json.loads((run_dir / "services.json").read_text())["restarts"]
+            r.restarts = read_services(run_dir)["restarts"]
         cfg = json.loads(json.dumps(_yaml(run_dir / "config.yaml")))
         r.target_version = int(cfg["train"]["total_steps"])  # or sooner, if a finish was asked (below)
         r.chunks_acked = sum(

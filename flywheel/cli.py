@@ -95,7 +95,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _finish(argv: list[str]) -> int:
     """``flywheel finish``: store the step the learner ends at, in the run's Redis."""
-    import json
     from pathlib import Path
 
     if "-h" in argv or "--help" in argv:
@@ -110,7 +109,9 @@ def _finish(argv: list[str]) -> int:
         url = None
         if run_dir is not None:  # a local run: its resolved recipe and its private Redis
             argv = ["--config", str(run_dir / "config.yaml"), *argv]
-            url = json.loads((run_dir / "services.json").read_text())["redis_url"]
+            from flywheel.launcher import run_redis_url
+
+            url = run_redis_url(run_dir)
         cfg = load_config(argv)
     except (OSError, ValueError, KeyError, IndexError) as err:
         where = f"{run_dir} is not the directory of a running `flywheel run`: " if run_dir else ""

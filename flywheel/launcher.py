@@ -51,6 +51,7 @@ from flywheel.tasks import arithmetic_rows, write_jsonl
 
 log = logging.getLogger("flywheel.run")
 ROOT = Path(__file__).resolve().parents[1]
+SERVICES_FILE = "services.json"  # in the run directory: pids, restarts, the run's Redis
 STANDBY_LEARNER = "learner_standby"  # the service name of the standby learner (launch.standby_learner)
 # After a standby learner took over, its successor starts this much later: its imports take seconds
 # of CPU that the new learner's first steps need more (measured: a 1 s step took 3.5 s beside them).
@@ -61,6 +62,21 @@ class ServiceFailed(RuntimeError):
     def __init__(self, service: ServiceHandle, why: str) -> None:
         self.service = service
         super().__init__(f"{service.name} {why}; the end of {service.log_path}:\n{service.tail(25)}")
+
+
+def read_services(run_dir: Path) -> dict[str, Any]:
+    """What ``<run_dir>/services.json`` says of a running ``flywheel run``: every service's pid,
+    the restarts so far and the run's Redis (``redis_url``). Raises OSError or ValueError when
+    the directory holds no running run."""
+    return json.loads((Path(run_dir) / SERVICES_FILE).read_text())
+
+
+def run_redis_url(run_dir: Path) -> str:
+    """The address of the run's Redis, whoever started it (the launcher or Ray)."""
+    url = read_services(run_dir).get("redis_url")
+    if not url:
+        raise ValueError(f"{run_dir}/{SERVICES_FILE} names no Redis yet: the run is still starting")
+    return str(url)
 
 
 @dataclass
@@ -266,9 +282,9 @@ class LocalLaunch:
         pids = {svc.name: getattr(svc, "pid", None) for svc in self.services}
         if self.redis is not None:
             pids["redis"] = self.redis.proc.pid
-        tmp = self.run_dir / "services.json.tmp"
+        tmp = self.run_dir / f"{SERVICES_FILE}.tmp"
         tmp.write_text(json.dumps({"pids": pids, "restarts": dict(self.restarts), "redis_url": self.redis_url}))
-        tmp.replace(self.run_dir / "services.json")
+        tmp.replace(self.run_dir / SERVICES_FILE)
 
     @cached_property
     def gpu_plan(self) -> dict[str, str]:
