@@ -115,9 +115,8 @@ class Hub:
 
         # per-turn output, flushed after the Redis write
         self._pipe = TurnWrite(client)
-        # (group id, sample) of the samples that accepted chunks this turn; at flush each group
-        # writes its samples' chunks as one blob
-        self._dirty: list[tuple[int, SampleAssembly]] = []
+        # group id -> the chunks it accepted this turn; at flush each group writes them as one blob
+        self._turn_chunks: dict[int, list[Chunk]] = defaultdict(list)
         # per peer: flat [group, sample, seq, group, sample, seq, ...] acknowledged this turn
         self._acks: dict[bytes, list[int]] = defaultdict(list)
         self._rejections: dict[bytes, list[ChunkRejection]] = defaultdict(list)
@@ -285,19 +284,16 @@ class Hub:
         # One blob per group a turn, whatever its samples: a generator's frame holds one chunk
         # of each sample it streams, so blobs per sample cost a name, an encoding and a field per
         # chunk (in-process, a tenth of the hub's time per chunk).
-        by_group: dict[int, list[Chunk]] = defaultdict(list)
         persisted = 0
-        for gid, sample in self._dirty:
-            if sample.pending:
-                persisted += len(sample.pending)
-                by_group[gid] += sample.pending
-                sample.pending = []
-        self._dirty.clear()
-        for gid, chunks in by_group.items():
+        for gid, chunks in self._turn_chunks.items():
+            persisted += len(chunks)
             first = chunks[0]
-            self._pipe.hset(
-                self.keys.group(gid), chunk_blob_field(first.lease_id, first.sample, first.seq), encode_list(chunks)
+            self._pipe.hset_field(
+                self.keys.group_bytes(gid),
+                chunk_blob_field(first.lease_id, first.sample, first.seq),
+                encode_list(chunks),
             )
+        self._turn_chunks.clear()
         if persisted:
             # In the same transaction as the chunks: an audit (tests/chaos) compares it with the
             # acks generators received; a write Redis lost would show as more acks than chunks.
@@ -387,7 +383,7 @@ class Hub:
         The hot path of the hub: locals and one pass, no per-chunk Redis call.
         """
         acks = self._acks[identity]
-        leases, groups, dirty = self.leases, self.groups, self._dirty
+        leases, groups, turn_chunks = self.leases, self.groups, self._turn_chunks
         deadline = time.time() + self.hcfg.lease_timeout_s
         stats = self.stats
         for c in chunks:
@@ -422,9 +418,7 @@ class Hub:
             sample.chunks[seq] = c
             if sample.oldest is None:
                 sample.note_chunk_version(c.versions)
-            if not sample.pending:
-                dirty.append((c.group_id, sample))
-            sample.pending.append(c)
+            turn_chunks[c.group_id].append(c)
             acks += (c.group_id, c.sample, seq)
             stats.chunks_in += 1
             stats.tokens_in += len(c.tokens) >> 2
@@ -687,6 +681,7 @@ class Hub:
                 worker.inflight.discard((gid, index))
         group.move(GroupState.DROPPED)
         del self.groups[gid]
+        self._refuse_turn_chunks(gid)
         self._dropped_groups.add(gid)
         self._pipe.unlink(self.keys.group(gid))
         self._pipe.srem(self.keys.open, gid)
@@ -700,6 +695,28 @@ class Hub:
         if len(self._dropped_groups) > 100_000:  # bounded memory: late messages for these are long gone
             self._dropped_groups.clear()
             self._revoked_leases.clear()
+
+    def _refuse_turn_chunks(self, gid: int) -> None:
+        """The group is dropped in the turn that accepted these chunks of it. Written after the
+        drop's UNLINK, they would bring its key back for good; so they are not written, and not
+        acknowledged either: their senders hear ``revoked_lease``, as for any chunk of the group
+        from now on."""
+        chunks = self._turn_chunks.pop(gid, None)
+        if not chunks:
+            return
+        refused = {(c.sample, c.seq) for c in chunks}
+        for identity, acked in self._acks.items():
+            kept: list[int] = []
+            for i in range(0, len(acked), 3):
+                g, sample, seq = acked[i : i + 3]
+                if g == gid and (sample, seq) in refused:
+                    self._rejections[identity].append(
+                        ChunkRejection(group_id=g, sample=sample, seq=seq, reason="revoked_lease")
+                    )
+                else:
+                    kept += (g, sample, seq)
+            acked[:] = kept
+        self.stats.rejected["revoked_lease"] += len(chunks)
 
     def _expire(self, now: float) -> None:
         for gen_id, gen in list(self.generators.items()):

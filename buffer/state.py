@@ -18,7 +18,6 @@ class SampleAssembly:
 
     lease_id: int
     chunks: dict[int, Chunk] = field(default_factory=dict)
-    pending: list[Chunk] = field(default_factory=list)  # accepted this turn, not yet in Redis
     final_seq: int | None = None
     done: SampleDone | None = None  # set once every chunk up to the final one is in
     response: bytes | None = None  # packed tokens, kept only until the sample is scored
@@ -64,7 +63,7 @@ class SampleAssembly:
     def restart(self, lease_id: int) -> None:
         """Drop partial chunks: the sample is re-issued to a new lease and starts again at seq 0.
         Those already stored stay in Redis, superseded by the new lease's (``chunks_by_sample``)."""
-        self.lease_id, self.chunks, self.final_seq, self.pending = lease_id, {}, None, []
+        self.lease_id, self.chunks, self.final_seq = lease_id, {}, None
         self.oldest = None
 
 

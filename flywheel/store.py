@@ -53,9 +53,14 @@ class RunKeys:
         self.claim_floor = f"{tag}:claim_floor"  # the oldest version the newest claim accepted
         self.finish_at = f"{tag}:finish_at"  # the step a finish request ends training at (FINISH_SCRIPT)
         self._group_prefix = f"fw:{run}:g:{{{run}:"
+        self._group_prefix_bytes = self._group_prefix.encode()
 
     def group(self, group_id: int) -> str:
         return f"{self._group_prefix}{group_id}}}"
+
+    def group_bytes(self, group_id: int) -> bytes:
+        """``group``, encoded (the hub's hot path packs its commands from bytes)."""
+        return b"%b%d}" % (self._group_prefix_bytes, group_id)
 
     def all_run_keys(self) -> list[str]:
         return [
