@@ -62,7 +62,8 @@ class SampleAssembly:
 
     def restart(self, lease_id: int) -> None:
         """Drop partial chunks: the sample is re-issued to a new lease and starts again at seq 0.
-        Those already stored stay in Redis, superseded by the new lease's (``chunks_by_sample``)."""
+        Those already stored, or taken this turn (written with it: they were acknowledged), stay
+        in Redis, superseded by the new lease's (``chunks_by_sample``)."""
         self.lease_id, self.chunks, self.final_seq = lease_id, {}, None
         self.oldest = None
 
