@@ -38,6 +38,11 @@ def run_fleet(
         "--data.epochs", "1000", "--hub.generator_timeout_s", "3",
     )  # fmt: skip
     cluster.start_reward()
+    # Scoring from the start: a reward service still importing leaves groups unscored, the
+    # learner waits, the fleet fills the staleness window, and the autoscaler rightly reads
+    # that as too many generators (seen in CI: 1, 2, 1, 2, 3 for the fast learner).
+    registered = "flywheel_hub_reward_registrations_total"
+    wait_until(lambda: cluster.metrics().get(registered, 0) >= 1, 120, "the reward service's registration")
 
     def start_gen(i: int) -> Service:
         args = ("--min-len", "16", "--max-len", "48", "--capacity", "1", "--tokens-per-s", tokens_per_s)

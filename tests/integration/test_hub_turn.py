@@ -4,6 +4,7 @@ separate process can pin down: two things that happen in the same turn."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,20 +35,30 @@ class TurnByTurn:
     def send(self, msg: msgspec.Struct) -> None:
         self.sock.send(encode(msg))  # type: ignore[arg-type]
 
-    def take(self) -> None:
-        """The first half of a turn: the hub takes every message sent so far."""
+    def take(self, messages: int = 1) -> None:
+        """The first half of a turn: the hub takes the ``messages`` sent last (none of them
+        single chunks of a batch), all in this one turn."""
         poller = zmq.Poller()
         poller.register(self.hub.gen_sock, zmq.POLLIN)
-        assert poller.poll(5000), "nothing reached the hub"
         self.hub._turn_items = 0
-        self.hub._drain(self.hub.gen_sock)
+        deadline = time.monotonic() + 30
+        while self.hub._turn_items < messages:
+            assert time.monotonic() < deadline, f"{self.hub._turn_items} of {messages} messages reached the hub"
+            if poller.poll(100):
+                self.hub._drain(self.hub.gen_sock)
 
-    def end(self) -> list[msgspec.Struct]:
-        """The second half: dispatch, the Redis write, then what the hub sent back."""
+    def end(self, kind: type[msgspec.Struct]) -> list[msgspec.Struct]:
+        """The second half: dispatch, the Redis write, then what the hub sent back, at least one
+        message of ``kind`` (a turn sends each peer one ack, after its write)."""
         self.hub._dispatch_leases()
         self.hub._flush()
-        out = []
-        while self.sock.poll(200, zmq.POLLIN):
+        out: list[msgspec.Struct] = []
+        deadline = time.monotonic() + 30  # a loaded CI machine delays delivery, never this long
+        while not any(isinstance(m, kind) for m in out):
+            assert time.monotonic() < deadline, f"no {kind.__name__} from the hub's turn: {out}"
+            if self.sock.poll(100, zmq.POLLIN):
+                out.append(self.decoder.decode(self.sock.recv()))
+        while self.sock.poll(100, zmq.POLLIN):
             out.append(self.decoder.decode(self.sock.recv()))
         return out
 
@@ -78,7 +89,7 @@ def turns(redis_server: RedisServer, tokenizer_dir: Path, prompts_jsonl: Path) -
 def _leased(t: TurnByTurn) -> Lease:
     t.send(Register(generator_id="gen", model="m", capacity=1, weight_version=0))
     t.take()
-    (lease,) = [m for m in t.end() if isinstance(m, Lease)]
+    (lease,) = [m for m in t.end(Lease) if isinstance(m, Lease)]
     return lease
 
 
@@ -97,12 +108,12 @@ def test_a_group_dropped_in_the_turn_it_took_a_chunk_leaves_no_key_and_acks_noth
     lease = _leased(turns)
     turns.send(make_chunk(lease, 0, 0, version=0, final=False))
     turns.take()
-    assert _acked(turns.end()) == (1, [])
+    assert _acked(turns.end(ChunkAck)) == (1, [])
     turns.send(make_chunk(lease, 0, 1, version=0, final=False))
     turns.take()
     hub.learner_version = 3  # as read with the turn's write; housekeeping then finds the group doomed
     hub._drop_doomed()
-    acked, rejected = _acked(turns.end())
+    acked, rejected = _acked(turns.end(ChunkAck))
     assert (acked, rejected) == (0, ["revoked_lease"])
     assert not redis.exists(hub.keys.group(lease.group_id))
     assert int(redis.hget(hub.keys.counters, "chunks_persisted") or 0) == 1  # the first chunk only
@@ -116,9 +127,8 @@ def test_a_chunk_taken_in_the_turn_its_lease_is_given_back_is_written_before_its
     lease = _leased(turns)
     turns.send(make_chunk(lease, 0, 0, version=0, final=False))
     turns.send(Release(generator_id="gen", lease_ids=[lease.lease_id]))
-    turns.take()
-    replies = turns.end()
-    assert _acked(replies) == (1, [])
+    turns.take(messages=2)
+    assert _acked(turns.end(ChunkAck)) == (1, [])
     assert int(redis.hget(hub.keys.counters, "chunks_persisted") or 0) == 1
     fields = redis.hkeys(hub.keys.group(lease.group_id))
     assert any(f.startswith(b"c:") for f in fields), fields
