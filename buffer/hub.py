@@ -716,7 +716,10 @@ class Hub:
                 else:
                     kept += (g, sample, seq)
             acked[:] = kept
-        self.stats.rejected["revoked_lease"] += len(chunks)
+        stats = self.stats
+        stats.rejected["revoked_lease"] += len(chunks)
+        stats.chunks_in -= len(chunks)  # counted as taken a moment ago: ingest counts what is kept
+        stats.tokens_in -= sum(len(c.tokens) >> 2 for c in chunks)
 
     def _expire(self, now: float) -> None:
         for gen_id, gen in list(self.generators.items()):

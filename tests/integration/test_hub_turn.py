@@ -17,7 +17,7 @@ from buffer.hub import Hub
 from buffer.prompts import PromptSource
 from flywheel.config import load_config
 from flywheel.redis_server import RedisServer
-from flywheel.wire import ChunkAck, Decoder, Lease, Register, Release, ToGenerator, encode
+from flywheel.wire import ChunkAck, Decoder, Lease, Message, Register, Release, ToGenerator, encode
 from tests.integration.handgen import make_chunk
 
 
@@ -32,8 +32,8 @@ class TurnByTurn:
         self.sock.connect(f"tcp://127.0.0.1:{hub.ports['generator_port']}")
         self.decoder = Decoder(ToGenerator)
 
-    def send(self, msg: msgspec.Struct) -> None:
-        self.sock.send(encode(msg))  # type: ignore[arg-type]
+    def send(self, msg: Message) -> None:
+        self.sock.send(encode(msg))
 
     def take(self, messages: int = 1) -> None:
         """The first half of a turn: the hub takes the ``messages`` sent last (none of them
@@ -117,6 +117,7 @@ def test_a_group_dropped_in_the_turn_it_took_a_chunk_leaves_no_key_and_acks_noth
     assert (acked, rejected) == (0, ["revoked_lease"])
     assert not redis.exists(hub.keys.group(lease.group_id))
     assert int(redis.hget(hub.keys.counters, "chunks_persisted") or 0) == 1  # the first chunk only
+    assert (hub.stats.chunks_in, hub.stats.rejected["revoked_lease"]) == (1, 1)  # counted once, as refused
 
 
 def test_a_chunk_taken_in_the_turn_its_lease_is_given_back_is_written_before_its_ack(turns: TurnByTurn) -> None:
