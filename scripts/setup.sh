@@ -31,15 +31,17 @@ fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=".venv/bin/pip"
 
-# The packages go in with uv: it fetches and unpacks in parallel and leaves byte-compiling to the
-# first import, so the pinned stack takes seconds, not the minutes pip takes (setup was most of a
-# CI run's first five minutes). FLYWHEEL_PIP=1, or a uv that cannot be installed, falls back to pip.
-# uv does not read pip's configuration: a machine's local wheel folder (find-links, where the CPU
-# torch build may lie) is handed to it.
+# The packages go in with uv: it fetches, unpacks and byte-compiles in parallel, about a minute
+# where pip takes four (setup was most of a CI run's first five minutes). FLYWHEEL_PIP=1, or a uv
+# that cannot be installed, falls back to pip. Byte-compiling at install matters: with
+# PYTHONDONTWRITEBYTECODE set (as on some machines) every process would otherwise compile torch and
+# vLLM from source at each start, which doubled the heavy tests' time. uv does not read pip's
+# configuration: a machine's local wheel folder (find-links, where the CPU torch build may lie) is
+# handed to it.
 INSTALL=("$PIP" install -q --disable-pip-version-check)
 if [ -z "${FLYWHEEL_PIP:-}" ] && { [ -x .venv/bin/uv ] || "$PIP" install -q --disable-pip-version-check "uv==0.13.9"; }; then
   FIND_LINKS=${PIP_FIND_LINKS:-$("$PIP" config get global.find-links 2>/dev/null || true)}
-  INSTALL=(.venv/bin/uv pip install -q --python .venv/bin/python ${FIND_LINKS:+--find-links "$FIND_LINKS"})
+  INSTALL=(.venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python ${FIND_LINKS:+--find-links "$FIND_LINKS"})
 fi
 
 if ! .venv/bin/python -c 'import torch, sys; sys.exit(not torch.__version__.startswith("2.13.0"))' 2>/dev/null; then
