@@ -627,11 +627,16 @@ class Hub:
         self._to_reap = int(to_reap)
 
     def _reap_dropped(self) -> None:
-        """Clean up groups a learner dropped as too stale; re-queue their prompts if configured."""
-        gids = self.redis.lpop(self.keys.dropped, 256)
-        self._to_reap = max(0, self._to_reap - len(gids or ()))  # the next write reads it again
+        """Clean up groups a learner dropped as too stale; re-queue their prompts if configured.
+
+        The list's head is read here and trimmed in the turn's write, with the UNLINKs and the
+        re-queues: popped at once, a hub killed before its write (or a pop retried after a lost
+        reply) would forget the groups, leaving their keys in Redis for good. Learners only append."""
+        gids = self.redis.lrange(self.keys.dropped, 0, 255)
+        self._to_reap = 0  # the turn's write reads the list's length again, after its trim
         if not gids:
             return
+        self._pipe.ltrim(self.keys.dropped, len(gids), -1)
         metas = self.redis.pipeline(transaction=False)
         for gid in gids:
             metas.hget(self.keys.group(int(gid)), META)

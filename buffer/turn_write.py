@@ -128,6 +128,9 @@ class TurnWrite:
     def lpop(self, key: str) -> None:
         self._command(b"LPOP", key)
 
+    def ltrim(self, key: str, start: int, stop: int) -> None:
+        self._command(b"LTRIM", key, start, stop)
+
     def llen(self, key: str) -> None:
         self._command(b"LLEN", key)
 

@@ -134,3 +134,23 @@ def test_a_chunk_taken_in_the_turn_its_lease_is_given_back_is_written_before_its
     fields = redis.hkeys(hub.keys.group(lease.group_id))
     assert any(f.startswith(b"c:") for f in fields), fields
     assert hub.groups[lease.group_id].samples[0].lease_id != lease.lease_id  # re-issued
+
+
+def test_groups_a_learner_dropped_stay_listed_until_the_turn_that_removes_them_is_written(
+    turns: TurnByTurn,
+) -> None:
+    """The hub reaps the groups a learner dropped as too stale (their keys unlinked) in its
+    turn's write. Taken off the list before that write, a hub killed in between would forget
+    them and their keys would stay in Redis for good."""
+    hub, redis = turns.hub, turns.hub.redis
+    for gid in (7, 8):
+        redis.hset(hub.keys.group(gid), "c:x", b"blob")
+        redis.rpush(hub.keys.dropped, gid)
+    hub._reap_dropped()  # the turn's housekeeping; a kill -9 here must lose nothing
+    assert redis.lrange(hub.keys.dropped, 0, -1) == [b"7", b"8"]
+    assert redis.exists(hub.keys.group(7), hub.keys.group(8)) == 2
+    redis.rpush(hub.keys.dropped, 9)  # a learner drops another one meanwhile
+    hub._flush()
+    assert redis.lrange(hub.keys.dropped, 0, -1) == [b"9"]
+    assert redis.exists(hub.keys.group(7), hub.keys.group(8)) == 0
+    assert hub._to_reap == 1  # read back with the write: the next reap takes it
