@@ -7,11 +7,14 @@ on the learner's data path.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import socket
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -25,6 +28,7 @@ from flywheel.staleness import StalenessPolicy
 from flywheel.store import (
     CLAIM_SCRIPT,
     FINISH_SCRIPT,
+    FINISHED_SCRIPT,
     META,
     RELEASE_UNTRAINED_SCRIPT,
     GroupMeta,
@@ -80,6 +84,9 @@ class Batch:
 
 
 LOAD_GROUPS_PER_CALL = 4
+# How long a claim's reply (and a finished batch's marker) is kept for the call's retries: far
+# longer than any Redis outage a call waits through (``redis_outage_s``).
+RECEIPT_TTL_S = 3600
 
 
 class BatchTimeout(TimeoutError):
@@ -109,11 +116,18 @@ class BatchClient:
         policy: StalenessPolicy,
         claims_log: str | None = None,
         redis_outage_s: float = 60.0,
+        owner: str = "0",
     ) -> None:
         self.redis = client
         self.keys = RunKeys(run)
         self.policy = policy
+        self._claimed = self.keys.claimed(owner)  # ``owner``: the learner rank; a restart takes its place
         self._claim = client.register_script(CLAIM_SCRIPT)
+        self._finished = client.register_script(FINISHED_SCRIPT)
+        # Calls that change state are retried (Redis restarting, redis-py's own retry): each
+        # carries an id, the same for every retry of one call, that the scripts make idempotent.
+        self._call_ids = itertools.count()
+        self._client_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._release_untrained = client.register_script(RELEASE_UNTRAINED_SCRIPT)
         # Every group id this client claimed, one line per claim, written unbuffered before the
         # data is read: an audit (tests/chaos) checks no group was ever served twice.
@@ -145,37 +159,53 @@ class BatchClient:
                     warned = True
                 time.sleep(0.2)
 
+    def _call_id(self) -> str:
+        return f"{self._client_id}-{next(self._call_ids)}"
+
     def note_finished(self, n_groups: int, trained: bool = True) -> None:
         """The learner is done with ``n_groups`` it claimed. Groups it could not train on (a step
         whose every group was filtered out: no version bump) are released to admission too,
-        counted as dropped, or each such step would shrink the admission window for good."""
-        c = self.keys.counters
-
-        def write() -> None:
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.hincrby(c, "groups_finished", n_groups)
-            if not trained:
-                pipe.hincrby(c, "groups_dropped", n_groups)
-                pipe.hincrby(c, "groups_filtered_out", n_groups)
-            pipe.execute()
-
-        self._retry(write, "counting the groups trained on")
+        counted as dropped, or each such step would shrink the admission window for good.
+        Counted once however often it is retried (``FINISHED_SCRIPT``)."""
+        keys = [self.keys.counters, self.keys.claim_done(self._call_id())]
+        args = [n_groups, int(trained), RECEIPT_TTL_S]
+        self._retry(lambda: self._finished(keys=keys, args=args), "counting the groups trained on")
 
     def release_untrained(self) -> int:
         """At a learner's (re)start: release to admission every group claimed before and never
         trained on (``RELEASE_UNTRAINED_SCRIPT``); returns how many."""
         return int(self._retry(lambda: self._release_untrained(keys=[self.keys.counters]), "releasing lost claims"))
 
+    def release_claimed(self) -> int:
+        """At a learner rank's (re)start, before its first claim: delete the data of the groups
+        this rank claimed before and never read (a learner killed between its claim and its
+        load), which nothing else would ever remove; returns how many."""
+
+        def release() -> int:
+            gids = [int(g) for g in self.redis.smembers(self._claimed)]
+            if gids:
+                self._take_groups(gids, claim_id=None)
+            return len(gids)
+
+        n = self._retry(release, "removing the data of claims never read")
+        if n:
+            log.warning("%d groups claimed before this start were never read: their data is removed", n)
+        return n
+
     def get_version(self) -> int:
         raw = self._retry(lambda: self.redis.get(self.keys.version), "reading the version")
         return int(raw) if raw is not None else 0
 
-    def try_claim(self, n_groups: int, learner_version: int) -> tuple[list[tuple[int, int]], int]:
-        """One atomic claim: ([(group id, version)], dropped count); empty if fewer than n ready."""
+    def try_claim(
+        self, n_groups: int, learner_version: int, claim_id: str | None = None
+    ) -> tuple[list[tuple[int, int]], int]:
+        """One atomic claim: ([(group id, version)], dropped count); empty if fewer than n ready.
+        Made again with the same ``claim_id`` after it popped groups, it returns the same ones."""
         k = self.keys
+        receipt = k.claim_receipt(claim_id or self._call_id())
         dropped, popped = self._claim(
-            keys=[k.ready, k.counters, k.consumed, k.staleness, k.dropped, k.claim_floor],
-            args=[n_groups, learner_version, self.policy.max_staleness],
+            keys=[k.ready, k.counters, k.consumed, k.staleness, k.dropped, k.claim_floor, receipt, self._claimed],
+            args=[n_groups, learner_version, self.policy.max_staleness, RECEIPT_TTL_S],
         )
         pairs = [(int(popped[i]), int(float(popped[i + 1]))) for i in range(0, len(popped), 2)]
         return pairs, int(dropped)
@@ -184,8 +214,11 @@ class BatchClient:
         """Wait up to ``timeout_s`` for ``n_groups`` fresh-enough scored groups and load them."""
         start = time.monotonic()
         dropped_total = 0
+        claim_id = self._call_id()  # a receipt is stored only by the attempt that pops groups
         while True:
-            pairs, dropped = self._retry(lambda: self.try_claim(n_groups, learner_version), "claiming a batch")
+            pairs, dropped = self._retry(
+                lambda: self.try_claim(n_groups, learner_version, claim_id), "claiming a batch"
+            )
             dropped_total += dropped
             if pairs:
                 if self._claims_log is not None:
@@ -197,20 +230,42 @@ class BatchClient:
                     f"no batch of {n_groups} groups within {timeout_s:.1f}s ({ready} ready); is the hub running and are generators connected?"
                 )
             time.sleep(poll_s)
-        groups = self._retry(lambda: self._load(pairs, learner_version), "loading a claimed batch")
+        groups = self._load(pairs, learner_version, claim_id)
         return Batch(learner_version, groups, dropped_total, time.monotonic() - start, [g.staleness for g in groups])
 
-    def _load(self, pairs: list[tuple[int, int]], learner_version: int) -> list[RolloutGroup]:
-        raw_groups = []
+    def _load(
+        self, pairs: list[tuple[int, int]], learner_version: int, claim_id: str | None = None
+    ) -> list[RolloutGroup]:
+        """Read the claimed groups, then remove them: in two steps, each retried alone, so that a
+        retry never reads what its first attempt already removed."""
+        raw_groups = self._retry(lambda: self._read_groups(pairs), "loading a claimed batch")
+        self._retry(lambda: self._take_groups([gid for gid, _ in pairs], claim_id), "removing a loaded batch")
+        return self._decode_groups(pairs, raw_groups, learner_version)
+
+    def _read_groups(self, pairs: list[tuple[int, int]]) -> list[dict[bytes, bytes]]:
+        raw_groups: list[dict[bytes, bytes]] = []
         # A few groups per round trip: one huge reply would stall Redis (single-threaded) and
-        # with it the hub's writes. UNLINK frees the consumed data off Redis's main thread.
+        # with it the hub's writes.
         for i in range(0, len(pairs), LOAD_GROUPS_PER_CALL):
             pipe = self.redis.pipeline(transaction=False)
-            part = pairs[i : i + LOAD_GROUPS_PER_CALL]
-            for gid, _ in part:
+            for gid, _ in pairs[i : i + LOAD_GROUPS_PER_CALL]:
                 pipe.hgetall(self.keys.group(gid))
-            pipe.unlink(*[self.keys.group(gid) for gid, _ in part])  # consumed: the data is ours now
-            raw_groups += pipe.execute()[: len(part)]
+            raw_groups += pipe.execute()
+        return raw_groups
+
+    def _take_groups(self, gids: list[int], claim_id: str | None) -> None:
+        """Consumed: the data is the learner's now. UNLINK frees it off Redis's main thread.
+        Each command repeats harmlessly, and the keys lie in different slots: no transaction."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.unlink(*[self.keys.group(gid) for gid in gids])
+        pipe.srem(self._claimed, *gids)
+        if claim_id is not None:
+            pipe.unlink(self.keys.claim_receipt(claim_id))
+        pipe.execute()
+
+    def _decode_groups(
+        self, pairs: list[tuple[int, int]], raw_groups: list[dict[bytes, bytes]], learner_version: int
+    ) -> list[RolloutGroup]:
         out = []
         for (gid, version), raw in zip(pairs, raw_groups, strict=True):
             assert META in raw, f"group {gid} was ready but has no data"

@@ -52,8 +52,21 @@ class RunKeys:
         self.requeue = f"{tag}:requeue"
         self.claim_floor = f"{tag}:claim_floor"  # the oldest version the newest claim accepted
         self.finish_at = f"{tag}:finish_at"  # the step a finish request ends training at (FINISH_SCRIPT)
+        self._tag = tag
         self._group_prefix = f"fw:{run}:g:{{{run}:"
         self._group_prefix_bytes = self._group_prefix.encode()
+
+    def claimed(self, owner: str) -> str:
+        """The groups ``owner`` (a learner rank) claimed and has not yet taken the data of."""
+        return f"{self._tag}:claimed:{owner}"
+
+    def claim_receipt(self, claim_id: str) -> str:
+        """A claim's reply, kept for its retries (CLAIM_SCRIPT); expires."""
+        return f"{self._tag}:claim:{claim_id}"
+
+    def claim_done(self, claim_id: str) -> str:
+        """Marks a claimed batch counted as finished (FINISHED_SCRIPT); expires."""
+        return f"{self._tag}:done:{claim_id}"
 
     def group(self, group_id: int) -> str:
         return f"{self._group_prefix}{group_id}}}"
@@ -215,8 +228,15 @@ def unpack_chunks(data: bytes) -> list[Chunk]:
 # groups (or none if fewer than n are ready), mark each consumed in the bitmap (refusing any
 # group served before), and count the staleness of what was served.
 #
-# KEYS: ready, counters, consumed, staleness, dropped
-# ARGV: n, learner_version, max_staleness
+# Retried safely: a claim that popped groups stores its reply under its receipt key (a token
+# the client picks once per claim), and the same claim made again (a reply lost to a Redis
+# restart, then retried) returns that reply instead of popping a second batch, which would
+# leave the first consumed, never trained on, and its data in Redis for good. The claimed groups
+# also join the claiming rank's ``claimed`` set until it has read and unlinked them, so that a
+# learner dying in between leaves nothing behind (``BatchClient.release_claimed``).
+#
+# KEYS: ready, counters, consumed, staleness, dropped, claim_floor, receipt, claimed
+# ARGV: n, learner_version, max_staleness, receipt_ttl_s
 # Returns {dropped_count, {gid1, version1, gid2, version2, ...}}
 # A learner starting from a checkpoint: every group claimed before it and never trained on
 # (claimed by a learner that died, its batch and the one it claimed ahead) is released to
@@ -225,6 +245,27 @@ def unpack_chunks(data: bytes) -> list[Chunk]:
 #
 # KEYS: counters
 # Returns the number of groups released.
+# A learner done with a claimed batch counts it once, however often the call is retried (a
+# reply lost to a Redis restart): the first call sets the claim's ``done`` marker, a repeat
+# finds it and counts nothing. Counted twice, ``groups_finished`` would hide a learner's lost
+# claims from RELEASE_UNTRAINED_SCRIPT, and ``groups_dropped`` would widen admission past η.
+#
+# KEYS: counters, done marker
+# ARGV: n_groups, trained (0/1), marker_ttl_s
+# Returns 1 if counted now, 0 if an earlier call already had.
+FINISHED_SCRIPT = """
+if not redis.call('SET', KEYS[2], 1, 'NX', 'EX', tonumber(ARGV[3])) then
+  return 0
+end
+local n = tonumber(ARGV[1])
+redis.call('HINCRBY', KEYS[1], 'groups_finished', n)
+if ARGV[2] == '0' then
+  redis.call('HINCRBY', KEYS[1], 'groups_dropped', n)
+  redis.call('HINCRBY', KEYS[1], 'groups_filtered_out', n)
+end
+return 1
+"""
+
 RELEASE_UNTRAINED_SCRIPT = """
 local consumed = tonumber(redis.call('HGET', KEYS[1], 'groups_consumed') or '0')
 local finished = tonumber(redis.call('HGET', KEYS[1], 'groups_finished') or '0')
@@ -260,6 +301,10 @@ return at
 """
 
 CLAIM_SCRIPT = """
+local receipt = redis.call('GET', KEYS[7])
+if receipt then
+  return cmsgpack.unpack(receipt)
+end
 local n = tonumber(ARGV[1])
 local v = tonumber(ARGV[2])
 local floor = v - tonumber(ARGV[3])
@@ -287,5 +332,13 @@ for i = 1, #popped, 2 do
   redis.call('HINCRBY', KEYS[4], tostring(v - tonumber(popped[i + 1])), 1)
 end
 redis.call('HINCRBY', KEYS[2], 'groups_consumed', n)
+local gids = {}
+for i = 1, #popped, 2 do
+  gids[#gids + 1] = popped[i]
+end
+if #gids > 0 then
+  redis.call('SADD', KEYS[8], unpack(gids))
+end
+redis.call('SET', KEYS[7], cmsgpack.pack({#stale, popped}), 'EX', tonumber(ARGV[4]))
 return {#stale, popped}
 """

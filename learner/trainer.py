@@ -152,7 +152,12 @@ class Trainer:
             Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
             claims_log = str(Path(cfg.train.run_dir) / f"claims.rank{rank}.log")
         self.client = BatchClient(
-            self.redis, cfg.run.name, policy, claims_log=claims_log, redis_outage_s=cfg.redis.connect_timeout_s
+            self.redis,
+            cfg.run.name,
+            policy,
+            claims_log=claims_log,
+            redis_outage_s=cfg.redis.connect_timeout_s,
+            owner=str(rank),
         )
         n_groups = max(1, cfg.async_.groups_per_step // self.world)
         self.claims = ClaimsAhead(self.client, n_groups, cfg.train.batch_timeout_s)
@@ -768,6 +773,7 @@ class Trainer:
                 published + 1,
             )
             self.version = published + 1
+        self.client.release_claimed()  # this rank's own claims, before it makes any
         if self.rank == 0:
             self.client.set_version(self.version)
             lost = self.client.release_untrained()

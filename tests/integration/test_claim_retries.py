@@ -1,0 +1,98 @@
+"""The learner's calls that change the hub's state in Redis, retried after a lost reply.
+
+A Redis restart (or a stall past the socket timeout) can lose a command's reply after the command
+ran, and ``BatchClient`` retries (as redis-py does on its own): a claim retried must not pop a
+second batch, a batch counted as finished must not count twice. Real Redis; only the reply is
+lost, by raising ``ConnectionError`` after the real call returned, as a dropped connection would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from flywheel.hub_client import BatchClient
+from flywheel.redis_server import RedisServer
+from flywheel.staleness import StalenessPolicy
+from flywheel.store import META, GroupMeta, pack
+
+RUN = "flywheel"
+
+
+@pytest.fixture
+def client(redis_server: RedisServer) -> Iterator[BatchClient]:
+    c = BatchClient(redis_server.client(), RUN, StalenessPolicy(4, 2), redis_outage_s=10)
+    yield c
+    c.redis.close()
+
+
+def ready(client: BatchClient, *gids: int, version: int = 0) -> None:
+    """Groups scored and waiting, with data under their keys (a record without samples: the
+    claim's path, not the samples' decoding, is what these tests are about)."""
+    for gid in gids:
+        meta = GroupMeta(
+            group_id=gid, prompt_index=gid, epoch=0, prompt_tokens=b"", n_samples=0, metadata={}, issued_at_version=0
+        )
+        client.redis.hset(client.keys.group(gid), META, pack(meta))
+        client.redis.zadd(client.keys.ready, {str(gid): version})
+
+
+def lose_first_reply(client: BatchClient, call: str) -> list[int]:
+    """The next ``call`` on the client's connection runs in Redis, then its reply is lost."""
+    real: Callable[..., Any] = getattr(client.redis, call)
+    lost: list[int] = []
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        if not lost:
+            lost.append(1)
+            raise redis.ConnectionError("reply lost (test)")
+        return out
+
+    setattr(client.redis, call, flaky)
+    return lost
+
+
+def counters(client: BatchClient) -> dict[str, int]:
+    return {k: v for k, v in client.counters().items() if k.startswith("groups_")}
+
+
+def test_a_claim_retried_after_its_reply_was_lost_returns_the_same_groups(client: BatchClient) -> None:
+    ready(client, 1, 2, 3, 4)
+    lost = lose_first_reply(client, "evalsha")
+    batch = client.claim(2, 0, timeout_s=5)
+    assert lost == [1]  # the first claim ran, and its reply was lost
+    assert [g.group_id for g in batch.groups] == [1, 2]
+    assert counters(client)["groups_consumed"] == 2  # not 4: no second batch was popped
+    assert client.redis.zrange(client.keys.ready, 0, -1) == [b"3", b"4"]
+    assert client.redis.exists(client.keys.group(1), client.keys.group(2)) == 0  # read, then removed
+    assert client.redis.smembers(client.keys.claimed("0")) == set()
+    assert not client.redis.keys(client.keys.claim_receipt("*"))
+
+
+def test_a_batch_counted_as_finished_counts_once_however_often_it_is_retried(client: BatchClient) -> None:
+    lost = lose_first_reply(client, "evalsha")
+    client.note_finished(2, trained=False)
+    assert lost == [1]
+    assert counters(client) == {"groups_finished": 2, "groups_dropped": 2, "groups_filtered_out": 2}
+    client.note_finished(3)  # another batch: counted
+    assert counters(client)["groups_finished"] == 5
+
+
+def test_a_learner_killed_between_its_claim_and_its_read_leaves_no_data_behind(
+    client: BatchClient, redis_server: RedisServer
+) -> None:
+    ready(client, 1, 2, 3)
+    pairs, _ = client.try_claim(2, 0)  # claimed; the learner dies before reading them
+    assert sorted(gid for gid, _ in pairs) == [1, 2]
+    other_rank = BatchClient(redis_server.client(), RUN, StalenessPolicy(4, 2), owner="1")
+    assert other_rank.release_claimed() == 0  # another rank's claims are not its own
+    restarted = BatchClient(redis_server.client(), RUN, StalenessPolicy(4, 2))  # the same rank, again
+    assert restarted.release_claimed() == 2
+    assert client.redis.exists(client.keys.group(1), client.keys.group(2)) == 0
+    assert client.redis.exists(client.keys.group(3)) == 1  # still ready, untouched
+    assert client.redis.smembers(client.keys.claimed("0")) == set()
+    assert restarted.release_untrained() == 2  # and admission gets them back, as before
