@@ -71,6 +71,13 @@ def load(hub: Hub) -> None:
             hub.leases[rec.lease_id].owner = gen.identity
             rec.deadline = max(rec.deadline, time.time() + hub.hcfg.generator_timeout_s)
 
+    # the version of each unfinished sample's first token (its current lease's chunks only), so
+    # that a group already too stale is dropped while generating, as it would have been
+    for group in hub.groups.values():
+        for sample in group.samples:
+            if sample.done is None and sample.chunks:
+                sample.note_chunk_version(sample.chunks[min(sample.chunks)].versions)
+
     # groups that were fully scored when the hub died become ready now
     for group in list(hub.groups.values()):
         if group.all_scored():
@@ -108,6 +115,7 @@ def _load_group(hub: Hub, gid: int) -> OpenGroup | None:
     for index, sample in enumerate(samples):
         chunks = stored.get(index, {})
         if sample.done is not None:
+            sample.oldest = sample.done.version  # so a group already too stale is still seen so
             if sample.score is None:  # complete but unscored: score it again
                 sample.response = assemble(chunks, sample.done.n_chunks).tokens
                 hub.score_queue.append((gid, index))

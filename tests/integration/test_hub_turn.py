@@ -82,8 +82,8 @@ def turns(redis_server: RedisServer, tokenizer_dir: Path, prompts_jsonl: Path) -
     t = TurnByTurn(hub)
     yield t
     t.close()
-    hub.gen_sock.close(linger=0)
-    hub.reward_sock.close(linger=0)
+    t.hub.gen_sock.close(linger=0)  # the hub the test ended with (one may stand for a restart)
+    t.hub.reward_sock.close(linger=0)
 
 
 def _leased(t: TurnByTurn) -> Lease:
@@ -154,3 +154,25 @@ def test_groups_a_learner_dropped_stay_listed_until_the_turn_that_removes_them_i
     assert redis.lrange(hub.keys.dropped, 0, -1) == [b"9"]
     assert redis.exists(hub.keys.group(7), hub.keys.group(8)) == 0
     assert hub._to_reap == 1  # read back with the write: the next reap takes it
+
+
+def test_a_restarted_hub_still_sees_how_old_a_generating_group_is(turns: TurnByTurn) -> None:
+    """The version of a sample's first token is kept in memory only; a hub rebuilt from Redis
+    must find it again, or a group already too stale would hold its admission slot and its
+    engine slots until the learner's claim dropped it, instead of being revoked at once."""
+    hub = turns.hub
+    lease = _leased(turns)
+    turns.send(make_chunk(lease, 0, 0, version=0, final=False))
+    turns.take()
+    assert _acked(turns.end(ChunkAck)) == (1, [])
+    turns.close()
+    hub.gen_sock.close(linger=0)
+    hub.reward_sock.close(linger=0)
+    again = Hub(hub.cfg, PromptSource.from_config(hub.cfg.data), hub.redis)  # after a kill -9
+    recovery.load(again)
+    turns.hub = again  # the fixture closes its sockets
+    group = again.groups[lease.group_id]
+    assert group.oldest_seen() == 0
+    again.learner_version = 3  # η = 1: a v0 token is too stale from v2 on
+    again._drop_doomed()
+    assert lease.group_id not in again.groups
