@@ -257,11 +257,13 @@ class BatchClient:
         """Consumed: the data is the learner's now. UNLINK frees it off Redis's main thread.
         Each command repeats harmlessly, and the keys lie in different slots: no transaction."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.unlink(*[self.keys.group(gid) for gid in gids])
-        pipe.srem(self._claimed, *gids)
+        if gids:
+            pipe.unlink(*[self.keys.group(gid) for gid in gids])
+            pipe.srem(self._claimed, *gids)
         if claim_id is not None:
             pipe.unlink(self.keys.claim_receipt(claim_id))
-        pipe.execute()
+        if len(pipe):
+            pipe.execute()
 
     def _decode_groups(
         self, pairs: list[tuple[int, int]], raw_groups: list[dict[bytes, bytes]], learner_version: int
