@@ -224,20 +224,6 @@ def unpack_chunks(data: bytes) -> list[Chunk]:
     return _chunk_list.decode(data)
 
 
-# Atomically: drop every ready group older than v - η, then pop the n oldest remaining ready
-# groups (or none if fewer than n are ready), mark each consumed in the bitmap (refusing any
-# group served before), and count the staleness of what was served.
-#
-# Retried safely: a claim that popped groups stores its reply under its receipt key (a token
-# the client picks once per claim), and the same claim made again (a reply lost to a Redis
-# restart, then retried) returns that reply instead of popping a second batch, which would
-# leave the first consumed, never trained on, and its data in Redis for good. The claimed groups
-# also join the claiming rank's ``claimed`` set until it has read and unlinked them, so that a
-# learner dying in between leaves nothing behind (``BatchClient.release_claimed``).
-#
-# KEYS: ready, counters, consumed, staleness, dropped, claim_floor, receipt, claimed
-# ARGV: n, learner_version, max_staleness, receipt_ttl_s
-# Returns {dropped_count, {gid1, version1, gid2, version2, ...}}
 # A learner starting from a checkpoint: every group claimed before it and never trained on
 # (claimed by a learner that died, its batch and the one it claimed ahead) is released to
 # admission, counted as dropped; otherwise each learner restart would shrink the admission
@@ -245,6 +231,19 @@ def unpack_chunks(data: bytes) -> list[Chunk]:
 #
 # KEYS: counters
 # Returns the number of groups released.
+RELEASE_UNTRAINED_SCRIPT = """
+local consumed = tonumber(redis.call('HGET', KEYS[1], 'groups_consumed') or '0')
+local finished = tonumber(redis.call('HGET', KEYS[1], 'groups_finished') or '0')
+local lost = consumed - finished
+if lost > 0 then
+  redis.call('HINCRBY', KEYS[1], 'groups_dropped', lost)
+  redis.call('HINCRBY', KEYS[1], 'groups_lost_with_learner', lost)
+  redis.call('HSET', KEYS[1], 'groups_finished', consumed)
+  return lost
+end
+return 0
+"""
+
 # A learner done with a claimed batch counts it once, however often the call is retried (a
 # reply lost to a Redis restart): the first call sets the claim's ``done`` marker, a repeat
 # finds it and counts nothing. Counted twice, ``groups_finished`` would hide a learner's lost
@@ -264,19 +263,6 @@ if ARGV[2] == '0' then
   redis.call('HINCRBY', KEYS[1], 'groups_filtered_out', n)
 end
 return 1
-"""
-
-RELEASE_UNTRAINED_SCRIPT = """
-local consumed = tonumber(redis.call('HGET', KEYS[1], 'groups_consumed') or '0')
-local finished = tonumber(redis.call('HGET', KEYS[1], 'groups_finished') or '0')
-local lost = consumed - finished
-if lost > 0 then
-  redis.call('HINCRBY', KEYS[1], 'groups_dropped', lost)
-  redis.call('HINCRBY', KEYS[1], 'groups_lost_with_learner', lost)
-  redis.call('HSET', KEYS[1], 'groups_finished', consumed)
-  return lost
-end
-return 0
 """
 
 # A request to end training early (``flywheel finish``): every learner rank stops once its
@@ -300,6 +286,20 @@ redis.call('SET', KEYS[2], at)
 return at
 """
 
+# Atomically: drop every ready group older than v - η, then pop the n oldest remaining ready
+# groups (or none if fewer than n are ready), mark each consumed in the bitmap (refusing any
+# group served before), and count the staleness of what was served.
+#
+# Retried safely: a claim that popped groups stores its reply under its receipt key (a token
+# the client picks once per claim), and the same claim made again (a reply lost to a Redis
+# restart, then retried) returns that reply instead of popping a second batch, which would
+# leave the first consumed, never trained on, and its data in Redis for good. The claimed groups
+# also join the claiming rank's ``claimed`` set until it has read and unlinked them, so that a
+# learner dying in between leaves nothing behind (``BatchClient.release_claimed``).
+#
+# KEYS: ready, counters, consumed, staleness, dropped, claim_floor, receipt, claimed
+# ARGV: n, learner_version, max_staleness, receipt_ttl_s
+# Returns {dropped_count, {gid1, version1, gid2, version2, ...}}
 CLAIM_SCRIPT = """
 local receipt = redis.call('GET', KEYS[7])
 if receipt then
