@@ -89,7 +89,8 @@ class WeightBroadcaster:
         self.decoder = Decoder(ToLearner, max_bytes=MAX_JOIN_BYTES)
         self.members: dict[str, Member] = {}
         self.group: WeightGroup | None = None
-        self.group_ranks: dict[str, int] = {}
+        self.group_ranks: dict[str, int] = {}  # each member's first rank in the group
+        self.group_workers: dict[str, int] = {}  # each member's ranks in the group
         # Group names start from the clock: a restarted learner must never announce an epoch a
         # generator still holds a (dead) group for, or that generator would reuse it and hang.
         self.epoch = time.time_ns() // 1_000_000
@@ -203,19 +204,24 @@ class WeightBroadcaster:
         buckets = plan_buckets(tensors.items(), int(self.cfg.bucket_mb * (1 << 20)))
         report.buckets, report.nbytes = len(buckets), sum(b.nbytes for b in buckets)
         store = None
-        if self.group is None or set(members) != set(self.group_ranks):
+        # The group is built again when its members or their worker counts changed, or when a
+        # member's process was replaced since it was built (restarted, or a spare under its id):
+        # the new process holds none of the old group.
+        workers = {gen_id: members[gen_id].workers for gen_id in sorted(members)}
+        replaced = self._restarted & set(self.group_ranks)
+        if self.group is None or workers != self.group_workers or replaced:
             self._close_group()
             self.epoch += 1
-            self.group_ranks = {}
             rank = 1
-            for gen_id in sorted(members):
+            for gen_id, n in workers.items():
                 self.group_ranks[gen_id] = rank
-                rank += members[gen_id].workers
+                rank += n
+            self.group_workers = workers
             store = host_store(self.cfg.host, self.cfg.timeout_s)
             report.rebuilt_group = True
         report.members = sorted(self.group_ranks)
         deadline = time.time() + self.cfg.timeout_s
-        world = 1 + sum(members[g].workers for g in self.group_ranks)
+        world = 1 + sum(self.group_workers.values())
         ready = WeightsReady(
             version=version,
             buckets=buckets,
@@ -286,6 +292,7 @@ class WeightBroadcaster:
             self.group.close()
         self.group = None
         self.group_ranks = {}
+        self.group_workers = {}
 
     def close(self) -> None:
         self._close_group()

@@ -4,14 +4,19 @@ soon as the new one says it is back, instead of waiting out the deadline."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+
+import torch
 
 from flywheel.config import SyncConfig
 from flywheel.redis_server import free_port
 from generators.sync_link import SyncLink
 from learner.weight_sync import SyncReport, WeightBroadcaster
-from tests.conftest import wait_until
+from tests.conftest import ROOT, wait_until
 
 
 def test_a_generator_back_under_its_id_ends_the_wait_for_the_old_ones_ack() -> None:
@@ -53,4 +58,46 @@ def test_a_generator_back_under_its_id_ends_the_wait_for_the_old_ones_ack() -> N
     finally:
         if new is not None:
             new.close()
+        wb.close()
+
+
+def start_member(ports: tuple[int, int], gen_id: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.weight_member", str(ports[0]), str(ports[1]), gen_id],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_generator_replaced_between_syncs_gets_a_group_of_its_own() -> None:
+    """A generator's process replaced under its id while no sync ran (a restart, or a spare taking
+    its place): the next sync builds the group again with the new process, rather than broadcast
+    on the old group to a process that is gone (real gloo groups, real processes)."""
+    cfg = SyncConfig(announce_port=free_port(), join_port=free_port(), timeout_s=8)
+    ports = (cfg.announce_port, cfg.join_port)
+    wb = WeightBroadcaster(cfg)
+    tensors = {"w": torch.ones(1000), "b": torch.full((10,), 2.0)}
+    members = [start_member(ports, "gen0")]
+    try:
+        assert wb.wait_for_members(1, timeout_s=30)
+        first = wb.sync(1, tensors.items())
+        assert first.acked == ["gen0"] and first.rebuilt_group, first
+        assert members[0].stdout is not None and members[0].stdout.readline().split() == ["loaded", "1", "1020"]
+
+        members[0].kill()  # killed between syncs; its replacement joins under the same id at v0
+        members[0].wait(timeout=10)
+        members.append(start_member(ports, "gen0"))
+        wait_until(lambda: wb.behind(1) == ["gen0"], 30, "the new process listed as lacking v1's weights")
+
+        t0 = time.monotonic()
+        second = wb.sync(2, tensors.items())
+        assert second.acked == ["gen0"] and second.rebuilt_group and not second.evicted, second
+        assert time.monotonic() - t0 < cfg.timeout_s / 2
+        assert members[1].stdout is not None and members[1].stdout.readline().split() == ["loaded", "2", "1020"]
+    finally:
+        for member in members:
+            member.kill()
+            member.wait(timeout=10)
         wb.close()
