@@ -175,6 +175,19 @@ class AsyncConfig(_Section):
         "or interrupt (abort, update, resubmit with the partial tokens appended to the prompt).",
     )
 
+    @model_validator(mode="after")
+    def _syncs_within_the_bound(self) -> AsyncConfig:
+        # Between syncs the generators hold weights up to sync_every - 1 versions old, and the hub
+        # leases only to generators within η of the learner: past η + 1 none would ever qualify.
+        if self.sync_every > self.max_staleness + 1:
+            raise ValueError(
+                f"async.sync_every {self.sync_every} is more than async.max_staleness + 1 "
+                f"({self.max_staleness + 1}): between syncs every generator would hold weights older than "
+                "the staleness bound allows, and no group could be leased. Lower async.sync_every or raise "
+                "async.max_staleness"
+            )
+        return self
+
 
 class HubConfig(_Section):
     """The rollout hub service (flywheel-buffer)."""

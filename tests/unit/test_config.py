@@ -66,6 +66,13 @@ def test_cross_field_rule() -> None:
         load_config(["--data.path", "x.jsonl"])
 
 
+def test_weights_synced_less_often_than_the_bound_allows_are_refused() -> None:
+    # η = 0 with a sync every 2 steps: after step 1 no generator holds weights new enough to lease
+    with pytest.raises(ConfigError, match=r"async.sync_every 2 is more than async.max_staleness \+ 1 \(1\)"):
+        load_config(["--async.max_staleness", "0", "--async.sync_every", "2"])
+    assert load_config(["--async.max_staleness", "3", "--async.sync_every", "4"]).async_.sync_every == 4
+
+
 def test_bad_flags() -> None:
     with pytest.raises(ConfigError, match="needs a value"):
         parse_overrides(["--async.max_staleness"])
