@@ -115,7 +115,7 @@ def _load_group(hub: Hub, gid: int) -> OpenGroup | None:
     for index, sample in enumerate(samples):
         chunks = stored.get(index, {})
         if sample.done is not None:
-            sample.oldest = sample.done.version  # so a group already too stale is still seen so
+            sample.oldest = sample.done.version  # read by the staleness check, which revokes old groups
             if sample.score is None:  # complete but unscored: score it again
                 sample.response = assemble(chunks, sample.done.n_chunks).tokens
                 hub.score_queue.append((gid, index))
