@@ -82,9 +82,16 @@ class WorkerPool:
     def busy_count(self) -> int:
         return sum(w.busy for w in self.workers)
 
-    def submit(self, worker: Worker, items: list[Item]) -> None:
+    def submit(self, worker: Worker, items: list[Item]) -> bool:
+        """Hand ``items`` to an idle worker; False if it died while idle (``collect`` replaces it,
+        and the items are the caller's to hand to another)."""
+        try:
+            worker.conn.send(items)
+        except OSError as err:  # BrokenPipeError: killed (the OOM killer) since it last answered
+            log.warning("reward worker %d is gone (%s): its batch goes to another", worker.index, err)
+            return False
         worker.batch, worker.sent_at = items, time.monotonic()
-        worker.conn.send(items)
+        return True
 
     def collect(self) -> list[Result]:
         """Finished batches, plus batches whose worker died or ran past the deadline (their

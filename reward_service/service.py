@@ -53,6 +53,11 @@ class RewardService:
         self.rejects = Rejections(log)  # what the hub sent that failed validation, by reason
         self.queue: deque[Item] = deque()  # scored in batches
         self.solo: deque[Item] = deque()  # from a batch that hung or crashed: scored alone
+        # (group, sample) of every request queued or being scored: the hub re-sends what it has had
+        # no answer to in time, and a copy of one still held here would only be scored twice
+        self.held: set[tuple[int, int]] = set()
+        self.duplicates = 0
+        self.unsent = 0  # messages dropped because the hub was unreachable (it re-sends its requests)
         self.scored = 0
         self.errors: Counter[str] = Counter()
         self._stop = False
@@ -68,7 +73,7 @@ class RewardService:
             # announce ourselves only once a worker can score: until then the hub gives work to others
             if now - last_hello >= self.heartbeat_s and self.pool.ready_count():
                 last_hello = now
-                self.sock.send(encode(RewardRegister(worker_id=self.service_id, capacity=self.rcfg.capacity)))
+                self._send(encode(RewardRegister(worker_id=self.service_id, capacity=self.rcfg.capacity)))
             if now - last_stats >= STATS_INTERVAL_S:
                 last_stats = now
                 self._log_stats()
@@ -102,9 +107,14 @@ class RewardService:
                 self.rejects.reject(err.reason, err, "hub")
                 continue
             assert isinstance(req, ScoreRequest)
+            key = (req.group_id, req.sample)
+            if key in self.held:
+                self.duplicates += 1
+                continue
+            self.held.add(key)
             self.queue.append(
                 Item(
-                    key=(req.group_id, req.sample),
+                    key=key,
                     prompt_tokens=req.prompt_tokens,
                     completion_tokens=req.response_tokens,
                     finish_reason=req.finish_reason,
@@ -115,7 +125,9 @@ class RewardService:
     def _dispatch(self) -> None:
         idle = self.pool.idle()
         while idle and self.solo:
-            self.pool.submit(idle.pop(), [self.solo.popleft()])
+            item = self.solo.popleft()
+            if not self.pool.submit(idle.pop(), [item]):
+                self.solo.appendleft(item)
         if not idle or not self.queue:
             return
         # spread what is queued over the idle workers rather than filling one batch first
@@ -123,7 +135,9 @@ class RewardService:
         for worker in idle:
             if not self.queue:
                 break
-            self.pool.submit(worker, [self.queue.popleft() for _ in range(min(share, len(self.queue)))])
+            batch = [self.queue.popleft() for _ in range(min(share, len(self.queue)))]
+            if not self.pool.submit(worker, batch):
+                self.queue.extendleft(reversed(batch))
 
     def _answer(self, items: list[Item], result: list[Outcome] | str) -> None:
         if isinstance(result, str):
@@ -133,6 +147,7 @@ class RewardService:
             result = [Outcome(error=result)]  # "timeout: ..." or "crash: ..."
         scores = []
         for item, out in zip(items, result, strict=True):
+            self.held.discard(item.key)
             reward = out.reward
             if out.error is not None:
                 self.errors[out.error.split(":", 1)[0]] += 1
@@ -150,7 +165,16 @@ class RewardService:
                 )
             )
         for i in range(0, len(scores), SCORES_PER_FRAME):  # one frame per worker batch, bounded
-            self.sock.send(encode(ScoreBatch(worker_id=self.service_id, scores=scores[i : i + SCORES_PER_FRAME])))
+            self._send(encode(ScoreBatch(worker_id=self.service_id, scores=scores[i : i + SCORES_PER_FRAME])))
+
+    def _send(self, payload: bytes) -> None:
+        """Never blocks: with the hub away, the socket's queue fills (a heartbeat a second) and a
+        blocking send would stop the loop, its worker deadlines and its stop. What cannot be queued
+        is dropped: the hub re-sends every request it has no score for."""
+        try:
+            self.sock.send(payload, zmq.NOBLOCK)
+        except zmq.Again:
+            self.unsent += 1
 
     def _finish_in_flight(self, deadline_s: float) -> None:
         """On stop: answer what the workers are scoring now (the hub re-sends the queued rest)."""
@@ -163,7 +187,8 @@ class RewardService:
 
     def _log_stats(self) -> None:
         log.info(
-            "scored %d | errors %s | queued %d, in workers %d | workers ready %d/%d, restarts %d | rejected %s",
+            "scored %d | errors %s | queued %d, in workers %d | workers ready %d/%d, restarts %d | rejected %s"
+            " | re-sent while held %d | unsent %d",
             self.scored,
             dict(self.errors) or "none",
             len(self.queue) + len(self.solo),
@@ -172,6 +197,8 @@ class RewardService:
             len(self.pool.workers),
             self.pool.restarts,
             dict(self.rejects.counts) or "none",
+            self.duplicates,
+            self.unsent,
         )
 
     def close(self) -> None:

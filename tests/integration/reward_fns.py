@@ -40,3 +40,10 @@ def hangs_on_some(prompts: list[str], completions: list[str], metadata: list[dic
 
 def nan_on_some(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
     return [float("nan") if _culprit(ids) else 1.0 for ids in kwargs["completion_ids"]]
+
+
+def slow_batches(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
+    """0.4 s a call, whatever its size: with one worker, requests wait in the service's queue
+    past a short hub.score_timeout_s, and the hub sends them again."""
+    time.sleep(0.4)
+    return [1.0] * len(completions)

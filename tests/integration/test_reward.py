@@ -5,6 +5,7 @@ hang, and the reward-model server."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -127,6 +128,26 @@ def test_a_hanging_function_is_killed_and_only_its_groups_are_dropped(cluster: C
     assert reward.alive() and "restarting it" in reward.log_path.read_text()
 
 
+def test_a_request_sent_again_while_the_service_holds_it_is_scored_once(cluster: Cluster) -> None:
+    # The hub sends a request again when it had no answer within score_timeout_s; here every
+    # request waits longer than that in the service's queue (one slow worker, batches of 2).
+    cluster.start_hub(*HUB[:4], "--hub.score_timeout_s", "0.5", "--async.max_staleness", "1")
+    cluster.start_simgen("sim0", "--min-len", "4", "--max-len", "40", "--capacity", "4")
+    reward = cluster.start_reward(
+        "--reward.functions", f"{FNS}:slow_batches", "--reward.workers", "1", "--reward.batch_size", "2"
+    )
+    wait_until(lambda: cluster.metrics()["flywheel_hub_groups_ready_total"] >= 8, 120, "8 groups ready", poll_s=0.3)
+    cluster.services[1].stop()  # the generator
+    m = settle(cluster, timeout_s=90)
+    assert m["flywheel_hub_score_resends_total"] > 0, "nothing was sent again: the test tested nothing"
+    assert m["flywheel_hub_scores_in_total"] == m["flywheel_hub_samples_completed_total"]
+    assert m.get('flywheel_hub_rejected_total{reason="unexpected_score"}', 0) == 0  # no copy was scored
+    reward.stop()
+    log = reward.log_path.read_text()
+    scored = re.findall(r"scored (\d+) \|", log)
+    assert scored and int(scored[-1]) == m["flywheel_hub_samples_completed_total"], (m, reward.tail(20))
+
+
 @pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_reward_model(tmp_path_factory.mktemp("rm"))
@@ -198,3 +219,59 @@ def test_reward_model_server_batches_and_serves_the_reward_service(cluster: Clus
     samples = [s for g in claim_all(cluster) for s in g.samples]
     assert samples and all(s.reward_error is None and "reward_model" in s.reward_breakdown for s in samples)
     assert len({s.reward for s in samples}) > 1
+
+
+def test_a_worker_killed_while_idle_costs_no_sample_its_error() -> None:
+    """A worker killed between batches (the OOM killer): the batch meant for it goes to its
+    replacement, scored as if nothing happened, and the service keeps running."""
+    import os
+    import signal
+
+    from flywheel.config import RewardConfig
+    from flywheel.redis_server import free_port
+    from flywheel.wire import pack_i32
+    from reward_service.pool import WorkerPool
+    from reward_service.scoring import FunctionSpec, Item
+    from reward_service.service import RewardService
+
+    pool = WorkerPool(1, [FunctionSpec("length", 1.0, {})], None, {"max_tokens": 16}, timeout_s=10)
+    service = RewardService(RewardConfig(hub_address=f"tcp://127.0.0.1:{free_port()}"), "svc", pool)
+    try:
+        wait_until(lambda: pool.collect() == [] and pool.ready_count() == 1, 120, "the worker ready")
+        worker = pool.workers[0]
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        worker.proc.join(timeout=10)
+        service.held.add((7, 0))
+        service.queue.append(Item((7, 0), pack_i32([1, 2]), pack_i32([3, 4, 5]), "stop", {}))
+        service._dispatch()  # the send to the dead worker fails: the item stays queued
+        assert len(service.queue) == 1 and pool.busy_count() == 0
+
+        def scored() -> bool:
+            for items, result in pool.collect():
+                service._answer(items, result)
+            service._dispatch()
+            return service.scored == 1
+
+        wait_until(scored, 120, "the sample scored by the replacement worker")
+        assert pool.restarts == 1 and not service.errors and not service.held
+    finally:
+        service.close()
+
+
+def test_the_service_never_blocks_on_a_hub_that_is_away() -> None:
+    """With the hub away, the socket's queue fills (a heartbeat a second: about 17 minutes); a
+    blocking send would then stop the loop. What cannot be queued is dropped and counted."""
+    from flywheel.config import RewardConfig
+    from flywheel.redis_server import free_port
+    from reward_service.pool import WorkerPool
+    from reward_service.service import RewardService
+
+    pool = WorkerPool(0, [], None, {}, timeout_s=10)
+    service = RewardService(RewardConfig(hub_address=f"tcp://127.0.0.1:{free_port()}"), "svc", pool)
+    try:
+        started = time.monotonic()
+        for _ in range(3000):  # ZMQ's default send high-water mark is 1000 messages
+            service._send(b"x" * 100)
+        assert time.monotonic() - started < 10 and service.unsent >= 1000
+    finally:
+        service.close()
