@@ -292,6 +292,12 @@ class ChunkRejection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, g
     reason: str  # e.g. "unknown_lease": stop resending this chunk
 
 
+# Rejection reasons that say the chunk's lease is no longer its generator's (revoked, expired,
+# re-issued to another, or never known): the generator stops generating it even if the Revoke
+# never came.
+LEASE_GONE_REASONS = frozenset({"revoked_lease", "unknown_lease", "not_lease_owner"})
+
+
 class ChunkAck(Message, tag=True):
     """Chunks now durable in Redis (or duplicates of durable ones), plus chunks refused for good."""
 

@@ -19,6 +19,7 @@ import zmq
 from flywheel.config import SecurityConfig
 from flywheel.netsec import curve_client
 from flywheel.wire import (
+    LEASE_GONE_REASONS,
     Chunk,
     ChunkAck,
     ChunkBatch,
@@ -235,9 +236,18 @@ class HubLink:
                 if entries:
                     self._note_acked(entries, inbox)
                 for rej in msg.rejected:
-                    if self.unacked.pop((rej.group_id, rej.sample, rej.seq), None) is not None:
-                        inbox.rejected += 1
-                        log.debug("hub rejected chunk %s: %s", (rej.group_id, rej.sample, rej.seq), rej.reason)
+                    entry = self.unacked.pop((rej.group_id, rej.sample, rej.seq), None)
+                    if entry is None:
+                        continue
+                    inbox.rejected += 1
+                    log.debug("hub rejected chunk %s: %s", (rej.group_id, rej.sample, rej.seq), rej.reason)
+                    lease_id = entry[0].lease_id
+                    if rej.reason in LEASE_GONE_REASONS and lease_id in self.lease_ids:
+                        # its Revoke was lost, dropped at the hub's high-water mark, or never sent
+                        # (a re-issue after a re-registration): stop spending slots on it
+                        log.info("the hub no longer counts lease %d as ours (%s): dropping it", lease_id, rej.reason)
+                        self.lease_ids.discard(lease_id)
+                        inbox.revoked.append(lease_id)
             elif isinstance(msg, Lease):
                 self.lease_ids.add(msg.lease_id)
                 inbox.leases.append(msg)

@@ -163,6 +163,25 @@ def test_a_generator_back_under_its_id_takes_over_a_connection_still_open(cluste
     new.close()
 
 
+def test_a_lease_the_hub_took_back_without_a_revoke_is_dropped_at_its_first_rejected_chunk(cluster: Cluster) -> None:
+    """A lease re-issued with no Revoke (here: a second Register from a live generator, as a late
+    RegisterAgain can cause; a Revoke dropped at the hub's high-water mark ends the same way): the
+    generator learns it from the rejection of the lease's next chunk and stops generating it,
+    instead of holding the slot and listing the lease in every heartbeat."""
+    cluster.start_hub("--data.n_samples_per_prompt", "2", "--async.groups_per_step", "1", "--async.max_staleness", "0")
+    g = HandGenerator(cluster.gen_address, "gen-twice", capacity=1)
+    g.register()
+    lease = g.wait_lease()
+    g.send(make_chunk(lease, 0, 0, 0, final=False))
+    pump_until(g, lambda: g.acked == 1, "the first chunk acked")
+    g.register()  # the hub re-issues the lease and sends no Revoke: this generator asked for it
+    g.send(make_chunk(lease, 0, 1, 0, final=False))
+    pump_until(g, lambda: g.rejected == 1, "the old lease's chunk rejected")
+    assert lease.lease_id in g.revoked and lease.lease_id not in g.link.lease_ids
+    assert rejected(cluster, "unknown_lease") == 1
+    g.close()
+
+
 def test_lease_past_its_deadline_is_revoked_and_reissued(cluster: Cluster) -> None:
     cluster.start_hub(
         "--hub.lease_timeout_s",
