@@ -167,7 +167,11 @@ class AsyncConfig(_Section):
         "stop spending time on it and the staleness bound admits a fresh group in its place.",
     )
     sync_every: int = Field(
-        1, ge=1, le=1 << 20, description="The learner broadcasts new weights to the generators every this many steps."
+        1,
+        ge=1,
+        le=1 << 20,
+        description="The learner broadcasts new weights to the generators every this many steps; at most "
+        "max_staleness + 1, since only generators whose weights are within the bound get leases.",
     )
     partial_rollout: Literal["keep", "interrupt"] = Field(
         "keep",
