@@ -145,6 +145,7 @@ class Trainer:
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.version = 0
         self.synced_version = 0  # the version of the last weights broadcast (the model loaded: 0)
+        self.saved_version: int | None = None  # the version of the newest checkpoint on disk
         self.redis = redis_client(cfg.redis)
         policy = StalenessPolicy(cfg.async_.max_staleness, cfg.async_.groups_per_step)
         claims_log = None
@@ -250,7 +251,9 @@ class Trainer:
         finally:
             if hasattr(reporter, "close"):
                 reporter.close()  # wandb's files and the metrics file are complete even after an error
-        if self.cfg.train.checkpoint_dir:
+        if self.cfg.train.checkpoint_dir and self.saved_version != self.version:
+            # (never the same tag again: DeepSpeed would rewrite in place the files `latest` names,
+            # and a kill during that rewrite would leave no checkpoint to resume from)
             self.save_checkpoint()
         if self.cfg.train.export_dir:
             self.export(Path(self.cfg.train.export_dir))
@@ -744,9 +747,12 @@ class Trainer:
             return
         state = {"version": self.version, "hub_counters": self.client.counters() if self.rank == 0 else {}}
         with WATCHDOG.wait(f"checkpoint v{self.version}", self.cfg.run.watchdog_s):
-            self.engine.save_checkpoint(directory, tag=f"v{self.version}", client_state=state)
+            # The critic first: the policy's `latest`, written last, is what a resume reads, so it
+            # never names a version whose critic a kill left unwritten.
             if self.critic is not None:
                 self.critic.save_checkpoint(str(Path(directory) / "critic"), tag=f"v{self.version}")
+            self.engine.save_checkpoint(directory, tag=f"v{self.version}", client_state=state)
+        self.saved_version = self.version
         log.info("checkpoint v%d saved in %s", self.version, directory)
 
     def load_checkpoint(self) -> bool:
@@ -757,11 +763,13 @@ class Trainer:
             _, state = self.engine.load_checkpoint(directory)
             if state is None:
                 raise RuntimeError(f"could not load the checkpoint in {directory}")
-            self.version = int(state["version"])
+            self.version = self.saved_version = int(state["version"])
             if self.critic is not None:
                 self.critic.load_checkpoint(str(Path(str(directory)) / "critic"), tag=f"v{self.version}")
             log.info("resumed from %s at version %d", directory, self.version)
-        published = self.client.get_version()
+        # Every rank reads the published version before rank 0 publishes its own (the agreement is
+        # a collective): a rank reading after would continue one version further than the others.
+        published = self._agree_max(self.client.get_version())
         if published > self.version:
             # A learner that died published versions past its last checkpoint, and generators may
             # serve those weights. A version names one set of weights, never two: these get the
@@ -779,6 +787,8 @@ class Trainer:
             lost = self.client.release_untrained()
             if lost:
                 log.warning("%d groups claimed before this start were never trained on: released to admission", lost)
+        # No rank claims before that release: it counts every claim not yet finished as lost.
+        self._agree_max(0)
         return loaded
 
     # ------------------------------------------------------------------ reporting

@@ -13,7 +13,7 @@ import pytest
 import redis
 import torch
 
-from flywheel.hub_client import BatchClient, request_finish
+from flywheel.hub_client import BatchClient, cancel_finish, request_finish
 from flywheel.procs import Service
 from flywheel.redis_server import free_port
 from flywheel.staleness import StalenessPolicy
@@ -106,6 +106,37 @@ def test_learner_trains_on_hub_batches(cluster: Cluster, checkpoint_dir: Path, s
     assert all(moved), "some parameters did not train"
     if (stage, world) == (2, 1):
         assert any((run_dir / "wandb").glob("offline-run-*")), "no offline wandb run was written"
+    if finish_mid_run:
+        resume_past_published_versions(cluster, checkpoint_dir, r, keys, ckpt, last)
+
+
+def resume_past_published_versions(
+    cluster: Cluster, checkpoint_dir: Path, r: redis.Redis, keys: RunKeys, ckpt: Path, last: int
+) -> None:
+    """Both ranks resume from the checkpoint at ``last`` after a learner that died had published
+    three more versions: they agree on the version they continue as (each reads the published
+    one before rank 0 publishes its own) and stop at the same step."""
+    cancel_finish(r, "flywheel")
+    r.set(keys.version, last + 3)
+    run_dir = cluster.tmp / "run_resumed"
+    learner = start_learner(
+        cluster,
+        checkpoint_dir,
+        2,
+        "--train.resume",
+        "true",
+        "--train.total_steps",
+        str(last + 6),
+        "--train.run_dir",
+        str(run_dir),
+        "--train.checkpoint_dir",
+        str(ckpt),
+    )
+    assert learner.proc.wait(timeout=300) == 0, learner.tail(60)
+    assert int(r.get(keys.version) or 0) == last + 6
+    steps = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [last + 5, last + 6]
+    assert f"continuing as version {last + 4}" in learner.log_path.read_text()
 
 
 def test_ppo_with_a_critic_trains_and_checkpoints_both_models(cluster: Cluster, checkpoint_dir: Path) -> None:
@@ -125,12 +156,16 @@ def test_ppo_with_a_critic_trains_and_checkpoints_both_models(cluster: Cluster, 
         "true",
         "--train.total_steps",
         "2",
+        "--train.checkpoint_every",
+        "2",
         "--train.run_dir",
         str(run_dir),
         "--train.checkpoint_dir",
         str(ckpt),
     )
     assert learner.proc.wait(timeout=300) == 0, learner.tail(60)
+    # the last step's checkpoint is the final one too: written once, never rewritten in place
+    assert learner.log_path.read_text().count("checkpoint v2 saved") == 1, learner.tail(60)
     steps = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2
     for s in steps:
