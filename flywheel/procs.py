@@ -33,6 +33,8 @@ class ServiceHandle(Protocol):
     @property
     def returncode(self) -> int | None: ...
 
+    def terminate(self) -> None: ...
+
     def stop(self, timeout_s: float = 10.0) -> None: ...
 
     def tail(self, n: int = 30) -> str: ...
@@ -61,7 +63,7 @@ class Service:
             stderr=subprocess.STDOUT,
             env=full_env,
             start_new_session=True,
-            preexec_fn=_die_with_parent if cpus is None else partial(_pinned_child, frozenset(cpus)),
+            preexec_fn=die_with_parent if cpus is None else partial(_pinned_child, frozenset(cpus)),
         )
 
     @property
@@ -107,7 +109,7 @@ class Service:
         return "\n".join(lines[-n:])
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec (Linux): SIGTERM when the parent dies, even by kill -9, so a
     launcher that vanishes leaves no service behind (each drains and exits as on Ctrl-C)."""
     with contextlib.suppress(Exception):
@@ -117,10 +119,10 @@ def _die_with_parent() -> None:
 
 
 def _pinned_child(cpus: frozenset[int]) -> None:
-    """``_die_with_parent``, and the child (with every thread and process it starts) runs on
+    """``die_with_parent``, and the child (with every thread and process it starts) runs on
     ``cpus`` only. Set before exec, so even a library that sizes its thread pools at import (torch,
     vLLM's OpenMP binding) sees the pinned set."""
-    _die_with_parent()
+    die_with_parent()
     os.sched_setaffinity(0, cpus)
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import redis
 
+from flywheel.procs import die_with_parent
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -81,7 +83,13 @@ class RedisServer:
         ]
         self.log_path = self.dir / "redis.log"
         self._log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        # Its own session, as every service has: Ctrl-C in a terminal signals the launcher's
+        # process group, and Redis must outlive the services' drain, stopped last by its owner.
+        # Its owner's death (even kill -9) stops it cleanly, rather than leave it holding the
+        # port and the AOF directory a restarted run needs.
+        self.proc = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+        )
         try:
             self._wait_ready(timeout_s=ready_timeout_s)
         except BaseException:  # nothing left behind holding the port (or loading the AOF)
@@ -113,7 +121,7 @@ class RedisServer:
                 client.ping()
                 client.close()
                 return
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):  # not up, slow, or loading
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"redis-server on port {self.port} not ready after {timeout_s}s") from None
                 time.sleep(0.02)
