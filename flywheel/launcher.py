@@ -27,11 +27,12 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -754,20 +755,43 @@ class LocalLaunch:
             self.eval_end = self._evaluate(str(final), "eval_end", meanwhile=lambda svc: self._stop_services(keep=svc))
 
     def _shutdown(self) -> None:
-        self._stop_services()
-        self._stop_redis()
+        # A second Ctrl-C (or SIGTERM) while stopping is answered, not raised: raised, it would cut
+        # the stop short and leave the services not yet stopped, and Redis, running.
+        def answer(*_: object) -> None:
+            self.console.print("[yellow]already stopping: every service drains first")
+
+        held = {}
+        if threading.current_thread() is threading.main_thread():  # (only there can handlers change)
+            held = {sig: signal.signal(sig, answer) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._stop_services()
+            self._stop_redis()
+        finally:
+            for sig, handler in held.items():
+                signal.signal(sig, handler)
 
     def _stop_services(self, keep: ServiceHandle | None = None) -> None:
-        # generators first (they drain), the hub last: nothing is written to a stopped hub
+        """In stages: the learner, then generators (they drain), then the reward service, the hub
+        last: nothing is written to a stopped hub. The services of a stage stop together, each
+        draining at once, so a stage takes as long as its slowest service, not their sum."""
         order = {"learner": 0, "spare": 1, "generator": 1, "reward": 2, "hub": 3}
-        for svc in sorted(self.services, key=lambda s: order.get(s.name.rstrip("0123456789"), 0)):
-            if svc is keep:
-                continue
-            try:
-                svc.stop(timeout_s=15)
-            except Exception as err:  # one stuck service must not keep the others running
-                self.console.print(f"[red]stopping {svc.name}: {err}")
+        drain_s = {1: self.cfg.generator.drain_timeout_s + 15}  # a generator gives its leases back
+        stages: dict[int, list[ServiceHandle]] = defaultdict(list)
+        for svc in self.services:
+            if svc is not keep:
+                stages[order.get(svc.name.rstrip("0123456789"), 0)].append(svc)
+        for stage in sorted(stages):
+            for svc in stages[stage]:
+                self._quietly(svc, svc.terminate)
+            for svc in stages[stage]:
+                self._quietly(svc, partial(svc.stop, timeout_s=drain_s.get(stage, 15)))
         self.services = [s for s in self.services if s is keep]
+
+    def _quietly(self, svc: ServiceHandle, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except Exception as err:  # one stuck service must not keep the others running
+            self.console.print(f"[red]stopping {svc.name}: {err}")
 
     def _stop_redis(self) -> None:
         if self.redis is not None:

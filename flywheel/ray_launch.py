@@ -39,6 +39,9 @@ class ServiceRunner:
     def returncode(self) -> int | None:
         return self.svc.returncode
 
+    def terminate(self) -> None:
+        self.svc.terminate()
+
     def stop(self, timeout_s: float) -> int | None:
         self.svc.stop(timeout_s)
         return self.svc.returncode
@@ -103,6 +106,11 @@ class RayService:
 
     def alive(self) -> bool:
         return self.returncode is None
+
+    def terminate(self) -> None:
+        if not self._gone:
+            with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                ray.get(self.actor.terminate.remote(), timeout=CALL_TIMEOUT_S)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if not self._gone:

@@ -14,6 +14,7 @@ from flywheel import launcher
 from flywheel.config import load_config
 from flywheel.launcher import LocalLaunch, Timeline, assign_gpus, set_aside, visible_gpus
 from flywheel.report import loop_figures
+from tests.conftest import ROOT
 
 
 def test_a_new_run_sets_the_previous_one_aside(tmp_path: Path) -> None:
@@ -256,3 +257,24 @@ def test_a_dead_learner_s_place_goes_to_the_standby_learner(tmp_path: Path, monk
     assert third.args[-1] == str(tmp_path / "spares" / "learner3")
     assert launch.restarts["learner_standby"] == 1 and launch.restarts["learner"] == 2
     assert sorted(s.name for s in launch.services) == ["learner", "learner_standby"]
+
+
+def test_the_stop_drains_generators_together_and_the_hub_after_them(tmp_path: Path) -> None:
+    """Generators stop together, each given its drain (generator.drain_timeout_s) to give its
+    leases back, not one after another on a fixed 15 s; the hub stops once they are done."""
+    from flywheel.procs import Service
+
+    events = tmp_path / "events"
+    launch = LocalLaunch(load_config(["--launch.run_dir", str(tmp_path / "run"), "--generator.drain_timeout_s", "30"]))
+    env = {"PYTHONPATH": str(ROOT)}
+    for name, drain_s in (("hub", "0"), ("generator0", "16"), ("generator1", "16")):
+        args = [name, drain_s, str(events)]
+        launch.services.append(Service(name, "tests.integration.draining_child", args, tmp_path, env=env))
+    time.sleep(1.0)  # their signal handlers installed
+    started = time.monotonic()
+    launch._shutdown()
+    took = time.monotonic() - started
+    seen = {(name, what): float(t) for name, what, t in (line.split() for line in events.read_text().splitlines())}
+    assert ("generator0", "exit") in seen and ("generator1", "exit") in seen, "a generator was killed mid-drain"
+    assert seen["hub", "term"] >= max(seen["generator0", "exit"], seen["generator1", "exit"])
+    assert took < 16 * 2, f"the generators drained one after the other ({took:.1f}s)"
