@@ -237,6 +237,7 @@ class Release(Message, tag=True):
     def check(self) -> None:
         _require(0 < len(self.generator_id) <= 128, "generator_id", "must be 1..128 characters")
         _require(len(self.lease_ids) <= 65536, "lease_ids", "too many lease ids")
+        _require(len(set(self.lease_ids)) == len(self.lease_ids), "lease_ids", "names a lease twice")
 
 
 # --------------------------------------------------------------------------- hub → generator

@@ -12,7 +12,7 @@ import zmq
 from flywheel.hub_client import BatchClient
 from flywheel.staleness import StalenessPolicy
 from flywheel.store import RunKeys
-from flywheel.wire import Score, encode, pack_f32
+from flywheel.wire import Release, Score, encode, pack_f32
 from tests.conftest import Cluster, wait_until
 from tests.integration.handgen import HandGenerator, expected_sample, make_chunk
 
@@ -67,6 +67,8 @@ def test_garbage_is_counted_and_the_hub_keeps_serving(cluster: Cluster) -> None:
     )
     evil.send(encode(positive_logprobs))
     evil.send(encode(Score(worker_id="x", group_id=0, sample=0, reward=1.0)))  # a Score on the generator port
+    # a lease given back twice in one Release, by its own generator (it crashed the hub): refused whole
+    good.link._send(encode(Release(generator_id="good", lease_ids=[lease.lease_id, lease.lease_id])))
 
     wait_until(
         lambda: rejected(cluster, "oversized") >= 1 and rejected(cluster, "unknown_lease") >= 1,
@@ -74,7 +76,7 @@ def test_garbage_is_counted_and_the_hub_keeps_serving(cluster: Cluster) -> None:
         "rejections counted",
     )
     assert rejected(cluster, "malformed") >= 52
-    assert rejected(cluster, "invalid_field") >= 1
+    wait_until(lambda: rejected(cluster, "invalid_field") >= 2, 10, "the Release naming a lease twice refused")
     assert rejected(cluster, "wrong_socket") >= 1
     assert cluster.hub is not None and cluster.hub.alive()
     # logged once per reason per interval, not once per message

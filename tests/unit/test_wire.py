@@ -170,6 +170,7 @@ def _mutated(msg: object, **changes: object) -> bytes:
             "capacity",
         ),
         (_mutated(Score(worker_id="w", group_id=1, sample=0, reward=0.0), reward=math.inf), "invalid_field", "reward"),
+        (encode(Release(generator_id="g", lease_ids=[5, 5])), "invalid_field", "lease_ids"),
     ],
 )
 def test_garbage_is_rejected_naming_the_field(data: bytes, reason: str, field: str) -> None:
