@@ -9,6 +9,7 @@ from it (``buffer.recovery``), and generators resend whatever was not acknowledg
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -675,6 +676,9 @@ class Hub:
                 continue
             self._pipe.hdel(self.keys.leases, lease_id)
             self._revoked_leases.add(lease_id)
+            if lease.record.generator_id is None:  # re-issued, not yet given out: no longer waiting
+                with contextlib.suppress(ValueError):  # (the gauges count it: active = leases - unassigned)
+                    self.unassigned.remove(lease_id)
             gen = self.generators.get(lease.record.generator_id or "")
             if gen is not None:
                 gen.leases.discard(lease_id)

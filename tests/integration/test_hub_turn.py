@@ -17,7 +17,7 @@ from buffer.hub import Hub
 from buffer.prompts import PromptSource
 from flywheel.config import load_config
 from flywheel.redis_server import RedisServer
-from flywheel.wire import ChunkAck, Decoder, Lease, Message, Register, Release, ToGenerator, encode
+from flywheel.wire import ChunkAck, Decoder, Heartbeat, Lease, Message, Register, Release, ToGenerator, encode
 from tests.integration.handgen import make_chunk
 
 
@@ -176,3 +176,25 @@ def test_a_restarted_hub_still_sees_how_old_a_generating_group_is(turns: TurnByT
     again.learner_version = 3  # η = 1: a v0 token is too stale from v2 on
     again._drop_doomed()
     assert lease.group_id not in again.groups
+
+
+def test_a_re_issued_lease_waiting_for_a_generator_leaves_the_count_when_its_group_is_dropped(
+    turns: TurnByTurn,
+) -> None:
+    """The autoscaler reads active leases as leases less the re-issued ones waiting for a
+    generator: a waiting one whose group is dropped as too stale must leave both counts (it
+    stayed in the waiting list, and active leases went negative)."""
+    t = turns
+    lease = _leased(t)
+    t.send(make_chunk(lease, 1, 0, 0, final=True))  # sample 1 done, at version 0
+    t.send(Heartbeat(generator_id="gen", weight_version=0, lease_ids=[lease.lease_id], draining=True))
+    t.send(Release(generator_id="gen", lease_ids=[lease.lease_id]))  # draining: sample 0 waits for another
+    t.take(messages=3)
+    t.end(ChunkAck)
+    gauges = t.hub.snapshot()["gauges"]
+    assert (gauges["active_leases"], gauges["unassigned_leases"]) == (0, 1)  # type: ignore[index]
+    t.hub.learner_version = 2  # η = 1: a group holding version 0 is now too stale
+    t.hub._drop_doomed()
+    assert t.hub.stats.groups_dropped_generating == 1
+    gauges = t.hub.snapshot()["gauges"]
+    assert (gauges["active_leases"], gauges["unassigned_leases"]) == (0, 0)  # type: ignore[index]
