@@ -139,6 +139,7 @@ class Hub:
         self._to_reap = 0  # groups learners dropped and the hub has not cleaned up (LLEN, read with each write)
         self._last_expiry = 0.0
         self._doom_floor = 0  # the oldest version a group may hold, when groups were last checked
+        self._late_doomed: set[int] = set()  # groups whose first token came in since, already below it
         # leases revoked with their doomed group, and those groups: what their generators and
         # reward workers still send for them is expected, counted quietly and not stored
         self._revoked_leases: set[int] = set()
@@ -419,6 +420,8 @@ class Hub:
             sample.chunks[seq] = c
             if sample.oldest is None:
                 sample.note_chunk_version(c.versions)
+                if sample.oldest is not None and sample.oldest < self._doom_floor:
+                    self._late_doomed.add(c.group_id)  # leased before the floor rose, its first token after
             turn_chunks[c.group_id].append(c)
             acks += (c.group_id, c.sample, seq)
             stats.chunks_in += 1
@@ -655,12 +658,17 @@ class Hub:
         learner could only ever drop it at its claim, after the generators had finished it. Its
         leases are revoked at once and the staleness bound admits a fresh group in its place."""
         floor = self.policy.doom_floor(self.learner_version, self.claim_floor)
-        if floor <= self._doom_floor:  # checked at each version the learner reaches, once
+        if floor > self._doom_floor:  # every group, checked at each version the learner reaches, once
+            self._doom_floor = floor
+            candidates = list(self.groups.values())
+        elif self._late_doomed:  # between those checks, only the groups whose first token came in
+            candidates = [g for gid in self._late_doomed if (g := self.groups.get(gid)) is not None]
+        else:
             return
-        self._doom_floor = floor
+        self._late_doomed.clear()
         doomed = [
             g
-            for g in self.groups.values()
+            for g in candidates
             if g.state is GroupState.GENERATING and (oldest := g.oldest_seen()) is not None and oldest < floor
         ]
         for group in doomed:
@@ -803,7 +811,9 @@ class Hub:
         self._note_blocked(self._admission_said_no)
 
     def _fill_free_slots(self) -> None:
-        min_version = self.policy.min_version(self.learner_version)
+        # Weights older than the doom floor (v + 1 - η once the learner claimed its next batch
+        # ahead) would make a group no claim accepts: the generator waits for the next sync.
+        min_version = self.policy.doom_floor(self.learner_version, self.claim_floor)
         for gen in self.generators.values():
             if gen.record.weight_version < min_version:
                 continue  # its weights are too old: it waits for the next sync

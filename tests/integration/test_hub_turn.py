@@ -198,3 +198,29 @@ def test_a_re_issued_lease_waiting_for_a_generator_leaves_the_count_when_its_gro
     assert t.hub.stats.groups_dropped_generating == 1
     gauges = t.hub.snapshot()["gauges"]
     assert (gauges["active_leases"], gauges["unassigned_leases"]) == (0, 0)  # type: ignore[index]
+
+
+def test_weights_older_than_the_claim_ahead_accepts_get_no_lease_and_a_first_token_below_it_drops_its_group(
+    turns: TurnByTurn,
+) -> None:
+    """Once the learner has claimed its next batch ahead (floor v + 1 - η), a group holding an
+    older token can never be trained on: the hub gives no lease to weights that old, and drops a
+    group leased before the floor rose as soon as its first token shows it (the check made when
+    the floor rose saw no token of it yet)."""
+    t = turns
+    lease = _leased(t)  # weights v0, η = 1
+    t.hub.redis.set(t.hub.keys.version, 1)
+    t.hub.redis.set(t.hub.keys.claim_floor, 1)  # the learner at v1 claimed ahead: floor 1
+    t.hub._refresh_learner_state()
+    t.hub._drop_doomed()
+    assert lease.group_id in t.hub.groups  # no token yet: nothing to go by
+    t.send(make_chunk(lease, 0, 0, 0, final=False))  # its first token, from weights v0
+    t.take()
+    t.hub._housekeeping()
+    replies = t.end(ChunkAck)
+    assert lease.group_id not in t.hub.groups and t.hub.stats.groups_dropped_generating == 1
+    assert _acked(replies) == (0, ["revoked_lease"])
+    assert not [m for m in replies if isinstance(m, Lease)], "a lease went to weights v0"
+    t.send(Heartbeat(generator_id="gen", weight_version=1, lease_ids=[], draining=False))  # synced
+    t.take()
+    assert [m for m in t.end(Lease) if isinstance(m, Lease)]
