@@ -150,14 +150,18 @@ class ServiceBackend:
         self._start = start
         self._stop = stop
         self.running = running
-        self._next = len(running)
+        self._indices = list(range(len(running)))  # each running handle's index, in the same order
 
     def replicas(self) -> int:
         return len(self.running)
 
     def scale_to(self, n: int) -> None:
         while len(self.running) < n:
-            self.running.append(self._start(self._next))
-            self._next += 1
+            # the lowest index free: generator i is started on the devices planned for generator i,
+            # and a growing index would run past the plan (onto a spare's or the learner's GPU)
+            index = min(set(range(len(self._indices) + 1)) - set(self._indices))
+            self.running.append(self._start(index))
+            self._indices.append(index)
         while len(self.running) > n:
+            self._indices.pop()
             self._stop(self.running.pop())

@@ -53,6 +53,17 @@ def test_the_controller_waits_its_interval_and_cooldown() -> None:
     assert scaler.tick(now=20.0).target == 3  # type: ignore[union-attr]  # the maximum
 
 
+def test_a_generator_started_after_a_scale_down_takes_the_lowest_index_free() -> None:
+    """Generator i runs on the devices the launcher planned for generator i: after a scale-down,
+    the next start reuses a freed index instead of running past the plan."""
+    started: list[int] = []
+    backend = ServiceBackend(lambda i: started.append(i) or i, lambda svc: None, [0])
+    backend.scale_to(3)
+    backend.scale_to(1)
+    backend.scale_to(4)
+    assert started == [1, 2, 1, 2, 3] and backend.running == [0, 1, 2, 3]
+
+
 def test_the_command_backend_runs_the_deployment_hook(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import sys
 
