@@ -34,7 +34,10 @@ def load(hub: Hub) -> None:
     hub.groups_issued = counters.get("groups_issued", 0)
     hub.groups_dropped = counters.get("groups_dropped", 0)
     hub.next_lease_id = counters.get("next_lease_id", 0)
+    # the run's totals, which /metrics reports as such (the other hub counters count this process)
     hub.stats.leases_reissued = counters.get("leases_reissued", 0)
+    hub.stats.groups_dropped_generating = counters.get("groups_dropped_generating", 0)
+    hub.stats.groups_dropped_reward = counters.get("groups_dropped_reward", 0)
     source = {key.decode(): int(v) for key, v in r.hgetall(k.source).items()}
     hub.epoch, hub.cursor = source.get("epoch", 0), source.get("cursor", 0)
     hub.requeued_prompts.extend(int(i) for i in r.lrange(k.requeue, 0, -1))

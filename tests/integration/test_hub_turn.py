@@ -176,6 +176,14 @@ def test_a_restarted_hub_still_sees_how_old_a_generating_group_is(turns: TurnByT
     again.learner_version = 3  # η = 1: a v0 token is too stale from v2 on
     again._drop_doomed()
     assert lease.group_id not in again.groups
+    again._flush()
+    # /metrics reports the run's totals: a hub restarted once more starts from them, not from 0
+    again.gen_sock.close(linger=0)
+    again.reward_sock.close(linger=0)
+    third = Hub(hub.cfg, PromptSource.from_config(hub.cfg.data), hub.redis)
+    recovery.load(third)
+    turns.hub = third
+    assert third.snapshot()["counters"]["groups_dropped_generating"] == 1  # type: ignore[index]
 
 
 def test_a_re_issued_lease_waiting_for_a_generator_leaves_the_count_when_its_group_is_dropped(
