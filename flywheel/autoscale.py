@@ -74,6 +74,8 @@ def decide(cfg: AutoscaleConfig, current: int, before: Signals, now: Signals, gr
         return Decision(cfg.min_generators, f"below the minimum {cfg.min_generators}")
     if current > cfg.max_generators:
         return Decision(cfg.max_generators, f"above the maximum {cfg.max_generators}")
+    if blocked < 0:  # a counter that went back: the hub restarted between the two looks
+        return Decision(current, "the hub restarted: its blocked time counts again from zero")
     if blocked >= cfg.blocked_frac and current > cfg.min_generators:
         return Decision(current - 1, f"generators idle under the staleness bound {blocked:.0%} of the time")
     starving = ready_steps < cfg.starving_ready_steps and utilisation >= cfg.busy_utilisation

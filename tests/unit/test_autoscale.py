@@ -31,6 +31,13 @@ def test_a_starving_learner_with_busy_generators_grows_the_fleet_up_to_the_maxim
     assert decide(CFG, 1, before, fed, groups_per_step=4).target == 1
 
 
+def test_a_hub_restarted_between_two_looks_changes_nothing() -> None:
+    """The hub's blocked time counts from zero again after a restart: a negative share is no
+    sign of a starving learner (it read as "never blocked" and grew the fleet)."""
+    before, now = look(0, blocked_s=500), look(10, ready=1, active=7, capacity=8, blocked_s=1)
+    assert decide(CFG, 2, before, now, groups_per_step=4).target == 2
+
+
 def test_out_of_bounds_counts_are_brought_back() -> None:
     assert decide(CFG, 0, look(0), look(1), 4).target == 1
     assert decide(CFG, 5, look(0), look(1), 4).target == 3
