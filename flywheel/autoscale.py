@@ -128,16 +128,21 @@ class CommandBackend:
     """The hook for deployments the launcher does not own: ``docker compose ... --scale
     generator={replicas}``, ``kubectl scale deployment/generator --replicas={replicas}``."""
 
-    def __init__(self, command: str, start: int) -> None:
+    def __init__(self, command: str, start: int, timeout_s: float = 600.0) -> None:
         self.command = command
         self.n = start
+        self.timeout_s = timeout_s
 
     def replicas(self) -> int:
         return self.n
 
     def scale_to(self, n: int) -> None:
         argv = shlex.split(self.command.format(replicas=n))
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        try:
+            result = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as err:  # a hook that fails must not end the run
+            log.warning("autoscale command failed: %s", err)
+            return
         if result.returncode != 0:
             log.warning("autoscale command failed (%d): %s", result.returncode, result.stderr[-500:])
             return

@@ -83,3 +83,9 @@ def test_the_command_backend_runs_the_deployment_hook(tmp_path) -> None:  # type
     failing = CommandBackend(f"{sys.executable} -c 'raise SystemExit(1)'", start=2)
     failing.scale_to(4)  # logged, and the count stays what the deployment has
     assert failing.replicas() == 2
+    for broken in (
+        CommandBackend("/no/such/kubectl scale --replicas={replicas}", start=2),  # not installed
+        CommandBackend(f"{sys.executable} -c 'import time; time.sleep(30)'", start=2, timeout_s=0.5),  # hangs
+    ):
+        broken.scale_to(4)  # logged as the failing one is: the run goes on
+        assert broken.replicas() == 2
