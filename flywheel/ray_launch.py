@@ -66,17 +66,26 @@ class RedisRunner:
         password: str | None,
         username: str | None,
     ) -> None:
-        self.server = RedisServer(
-            data_dir,
+        self._args: dict[str, Any] = dict(
             appendfsync=appendfsync,
             aof_rewrite_min_mb=aof_rewrite_min_mb,
             bind=bind,
             password=password,
             username=username,
         )
+        self.server = RedisServer(data_dir, **self._args)
 
     def port(self) -> int:
         return self.server.port
+
+    def returncode(self) -> int | None:
+        return self.server.proc.poll()
+
+    def restart(self, ready_timeout_s: float) -> None:
+        """The same port and directory: it reloads its AOF, and every client reconnects."""
+        old = self.server
+        old.stop()
+        self.server = RedisServer(old.dir, port=old.port, ready_timeout_s=ready_timeout_s, **self._args)
 
     def stop(self) -> None:
         self.server.stop()
@@ -188,6 +197,27 @@ class RayLaunch(LocalLaunch):
         )
         port = ray.get(self._redis_actor.port.remote(), timeout=CALL_TIMEOUT_S)
         return f"redis://{self._host('hub')}:{port}/0"
+
+    def _redis_died(self) -> int | None:
+        actor = getattr(self, "_redis_actor", None)
+        if actor is None:
+            return None
+        try:
+            code: int | None = ray.get(actor.returncode.remote(), timeout=CALL_TIMEOUT_S)
+        except ray.exceptions.RayActorError:  # its node is gone, and the AOF with it
+            return -9
+        return code
+
+    def _restart_redis(self) -> None:
+        try:
+            ray.get(
+                self._redis_actor.restart.remote(self.cfg.launch.ready_timeout_s),
+                timeout=self.cfg.launch.ready_timeout_s + CALL_TIMEOUT_S,
+            )
+        except ray.exceptions.RayActorError as err:
+            raise RuntimeError(f"the Redis actor is gone (its node?): {err}") from err
+        except ray.exceptions.GetTimeoutError as err:
+            raise TimeoutError(f"the Redis actor did not restart Redis: {err}") from err
 
     def _stop_redis(self) -> None:
         actor = getattr(self, "_redis_actor", None)

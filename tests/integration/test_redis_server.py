@@ -81,3 +81,22 @@ def test_redis_outlives_a_ctrl_c_to_its_owners_group_and_not_its_owners_death(tm
     finally:
         owner.kill()
         owner.wait(timeout=10)
+
+
+def test_the_ray_launchers_redis_is_watched_and_restarted_with_its_data(tmp_path: Path) -> None:
+    """On Ray the launcher reads Redis's exit through its actor (``RedisRunner``, the class the
+    actor runs) and has it start Redis again on the same port and AOF, as the local launcher does."""
+    from flywheel.ray_launch import RedisRunner
+
+    runner = RedisRunner(str(tmp_path / "r"), "127.0.0.1", "always", 1024, None, None)
+    try:
+        runner.server.client().set("kept", "yes")
+        assert runner.returncode() is None
+        os.kill(runner.server.proc.pid, signal.SIGKILL)
+        wait_until(lambda: runner.returncode() is not None, 10, "Redis's exit seen")
+        port = runner.port()
+        runner.restart(ready_timeout_s=10)
+        assert runner.port() == port and runner.returncode() is None
+        assert runner.server.client().get("kept") == b"yes"
+    finally:
+        runner.stop()
