@@ -287,7 +287,7 @@ class ChaosRun:
         r.groups_claimed = len(claimed)
         r.groups_claimed_twice = sum(1 for n in claimed.values() if n > 1)
         # Redis again, from the run's AOF: what it persisted is what survived every crash
-        with RedisServer(run_dir / "redis") as server:
+        with RedisServer(run_dir / "redis", ready_timeout_s=300) as server:  # a long run's AOF loads first
             client = redis.Redis.from_url(server.url, socket_timeout=10)
             keys = RunKeys(cfg["run"]["name"])
             r.chunks_persisted = int(client.hget(keys.counters, "chunks_persisted") or 0)
