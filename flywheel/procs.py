@@ -111,7 +111,8 @@ class Service:
 
 def die_with_parent() -> None:
     """In the child, before exec (Linux): SIGTERM when the parent dies, even by kill -9, so a
-    launcher that vanishes leaves no service behind (each drains and exits as on Ctrl-C)."""
+    launcher that vanishes leaves no service behind (each drains and exits as on Ctrl-C), nor its
+    Redis (which shuts down cleanly on SIGTERM)."""
     with contextlib.suppress(Exception):
         import ctypes
 

@@ -206,6 +206,8 @@ class RayLaunch(LocalLaunch):
             code: int | None = ray.get(actor.returncode.remote(), timeout=CALL_TIMEOUT_S)
         except ray.exceptions.RayActorError:  # its node is gone, and the AOF with it
             return -9
+        except ray.exceptions.GetTimeoutError:  # a slow answer is no death: asked again at the next check
+            return None
         return code
 
     def _restart_redis(self) -> None:
