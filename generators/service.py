@@ -353,6 +353,10 @@ class GeneratorService:
             log.error("could not load weights v%d: %s", ready.version, error)
             if touched:
                 self.weights_valid = False  # half-loaded: serve nothing until a sync succeeds
+                # the hub hears it before the Release below, or it would lease the same work
+                # straight back, to be returned again (the heartbeat says so only every heartbeat_s)
+                self.link.draining = True
+                self.link.heartbeat(force=True)
             # Our weights are behind the learner's now: give the work back rather than keep stale leases.
             held = list(self.samples)
             for lease_id in held:

@@ -81,6 +81,10 @@ def test_frozen_generator_is_evicted_and_a_frozen_learner_wedges_nothing(
         )
         assert frozen.poll() is None  # still frozen: the generator gave up on its own deadline
         assert gen.alive()
+        # half-loaded, it gave its leases back and told the hub first: none was leased straight back
+        time.sleep(2)
+        after = gen.log_path.read_text()[mark:].split("could not load weights v4", 1)[1]
+        assert "returning lease" not in after, after[-3000:]
         # ... and the hub still hears it (heartbeats went on), past the hub's generator timeout
         time.sleep(5)
         assert "no longer knows this generator" not in gen.log_path.read_text()[mark:]
