@@ -12,6 +12,7 @@ holds the model, the prompts and the logs).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ from flywheel.launcher import LocalLaunch
 from flywheel.netsec import redis_password
 from flywheel.procs import Service, ServiceHandle, wait_for_state_file
 from flywheel.redis_server import RedisServer
+
+log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 60.0
 
@@ -111,6 +114,8 @@ class RayService:
                 self._code = ray.get(self.actor.returncode.remote(), timeout=CALL_TIMEOUT_S)
             except ray.exceptions.RayActorError:  # the actor (its node) died: so did the service
                 self._code, self._gone = -9, True
+            except ray.exceptions.GetTimeoutError:  # busy or not placed yet: no sign of an exit
+                log.warning("the actor of %s did not answer within %.0fs: taken as running", self.name, CALL_TIMEOUT_S)
         return self._code
 
     def alive(self) -> bool:
@@ -123,16 +128,17 @@ class RayService:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if not self._gone:
-            with contextlib.suppress(ray.exceptions.RayActorError):
+            with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 self._code = ray.get(self.actor.stop.remote(timeout_s), timeout=timeout_s + CALL_TIMEOUT_S)
-            ray.kill(self.actor)
+            ray.kill(self.actor)  # (killing the actor kills its service: it dies with its parent)
             self._gone = True
 
     def tail(self, n: int = 30) -> str:
-        if self._gone:
-            return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        text: str = ray.get(self.actor.tail.remote(n), timeout=CALL_TIMEOUT_S)
-        return text
+        if not self._gone:
+            with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                text: str = ray.get(self.actor.tail.remote(n), timeout=CALL_TIMEOUT_S)
+                return text
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
 class RayLaunch(LocalLaunch):

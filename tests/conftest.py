@@ -197,6 +197,7 @@ HEAVY_MODULES = {
     "tests/integration/test_learner.py",
     "tests/integration/test_load.py",
     "tests/integration/test_offpolicy.py",
+    "tests/integration/test_ray_handles.py",  # a Ray cluster of its own, never beside the Ray launcher's
 }
 
 
