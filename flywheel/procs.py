@@ -56,6 +56,7 @@ class Service:
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("ab")
         self._terminated = False
+        self._group_killed = False  # its leader reaped and the rest killed: the id may be reused
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
@@ -71,16 +72,20 @@ class Service:
         return self.proc.pid
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.returncode is None
 
     @property
     def returncode(self) -> int | None:
-        return self.proc.poll()
+        code = self.proc.poll()
+        if code is not None:
+            self._kill_group()  # what it left running goes with it, now, while the group id is ours
+        return code
 
     def kill9(self) -> None:
         """SIGKILL the service and every process it started (its process group)."""
         self._kill_group()
         self.proc.wait(timeout=10)
+        self._group_killed = True
 
     def terminate(self) -> None:
         """SIGTERM without waiting: the service starts draining (``stop`` waits for it). Sent
@@ -97,12 +102,18 @@ class Service:
                 self.proc.wait(timeout=timeout_s)
         self._kill_group()
         self.proc.wait(timeout=timeout_s)
+        self._group_killed = True  # (killed before its leader was reaped: never signalled again)
         self._log.close()
 
     def _kill_group(self) -> None:
         # The group id is the service's pid (start_new_session): only processes it started are in it.
+        # Once its leader is reaped and the rest are killed, the id is free for the system to give
+        # to an unrelated process: the group is never signalled again.
+        if self._group_killed:
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        self._group_killed = self.proc.poll() is not None
 
     def tail(self, n: int = 30) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()

@@ -278,3 +278,33 @@ def test_the_stop_drains_generators_together_and_the_hub_after_them(tmp_path: Pa
     assert ("generator0", "exit") in seen and ("generator1", "exit") in seen, "a generator was killed mid-drain"
     assert seen["hub", "term"] >= max(seen["generator0", "exit"], seen["generator1", "exit"])
     assert took < 16 * 2, f"the generators drained one after the other ({took:.1f}s)"
+
+
+def test_a_dead_service_s_leftovers_go_with_it_and_its_group_is_never_signalled_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A service that exits leaving a child behind: the child is killed as soon as the exit is
+    seen, and the group id, free for the system to reuse once empty, is never signalled again
+    (a stop hours later would have sent SIGKILL to whoever holds the id by then)."""
+    import os
+
+    import psutil
+
+    from flywheel.procs import Service
+
+    signalled: list[int] = []
+    real_killpg = os.killpg
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: (signalled.append(pgid), real_killpg(pgid, sig))[1])
+    code = "import subprocess; print(subprocess.Popen(['sleep', '60']).pid, flush=True)"
+    svc = Service("leaver", "timeit", ["-n", "1", "-r", "1", code], tmp_path)
+    deadline = time.monotonic() + 30
+    while svc.proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = psutil.Process(int(svc.log_path.read_text().split()[0]))
+    assert child.is_running()
+    assert not svc.alive()  # the exit seen: its leftovers killed
+    child.wait(timeout=10)
+    assert signalled == [svc.pid]
+    svc.stop()
+    assert not svc.alive() and signalled == [svc.pid]
