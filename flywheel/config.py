@@ -658,7 +658,16 @@ class LaunchConfig(_Section):
         description="Restart a service that dies (kill -9, OOM; not a bad configuration, exit code 2): Redis "
         "from its AOF, the learner from its latest checkpoint (train.checkpoint_every), the others reconnect.",
     )
-    max_restarts: int = Field(5, ge=0, le=100_000, description="Restarts per service before the run fails.")
+    max_restarts: int = Field(
+        5, ge=0, le=100_000, description="Restarts per service within launch.restart_window_s before the run fails."
+    )
+    restart_window_s: float = Field(
+        3600.0,
+        gt=0,
+        le=1e9,
+        description="How long a restart counts against launch.max_restarts: crashes that far apart, over a run of "
+        "days, do not add up to its end.",
+    )
     display: bool = Field(True, description="Live progress display (off: one log line every few seconds).")
     ray_address: str | None = Field(None, description="Ray cluster address for launcher ray (unset: a local Ray).")
     cpus_per_service: float = Field(1.0, ge=0, le=1024, description="Ray: CPUs reserved for each service.")

@@ -6,9 +6,9 @@ register) -> the learner. Then one live display for the whole system until the l
 ``train.total_steps``; then the final evaluation and the run report.
 
 A service that dies (kill -9, out of memory, a crash) is started again with the same flags
-(``launch.restart``, at most ``launch.max_restarts`` times each): Redis from its AOF on the same
-port, the hub on the same ports (so its peers reconnect by themselves), the learner from its
-latest checkpoint. A bad configuration (exit code 2), or one restart too many, stops the run:
+(``launch.restart``, at most ``launch.max_restarts`` times each within ``launch.restart_window_s``):
+Redis from its AOF on the same port, the hub on the same ports (so its peers reconnect by
+themselves), the learner from its latest checkpoint. A bad configuration (exit code 2), or one restart too many, stops the run:
 everything is shut down (generators drain, Redis last) and the launcher names the service, its
 exit code and the end of its log. Ctrl-C does the same. Each service runs in its own process
 group and gets SIGTERM if the launcher itself dies. ``<run_dir>/services.json`` names every
@@ -29,7 +29,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, partial
@@ -169,6 +169,7 @@ class LocalLaunch:
         self.autoscaler: Autoscaler | None = None
         self.recipes: dict[str, tuple[str, list[str], dict[str, str] | None]] = {}  # how to start it again
         self.restarts: Counter[str] = Counter()
+        self.restart_times: defaultdict[str, deque[float]] = defaultdict(deque)  # within the restart window
 
     # ------------------------------------------------------------------ the run
 
@@ -599,9 +600,9 @@ class LocalLaunch:
         """Restart (or raise for) a service that died; return the learner once it finished cleanly."""
         code = self._redis_died()
         if code is not None:  # first: the hub and the learner need it
-            if not self.cfg.launch.restart or self.restarts["redis"] >= self.cfg.launch.max_restarts:
+            if not self.cfg.launch.restart or not self._may_restart("redis"):
                 raise RuntimeError(f"redis-server exited with code {code}; see {self.run_dir / 'redis'}")
-            self.restarts["redis"] += 1
+            self._note_restart("redis")
             self.console.print(f"[yellow]redis exited with code {code}: restart {self.restarts['redis']}")
             try:
                 self._restart_redis()
@@ -620,14 +621,28 @@ class LocalLaunch:
             self._restart(svc)
         return None
 
+    def _may_restart(self, key: str) -> bool:
+        """Fewer than ``launch.max_restarts`` restarts of ``key`` within ``launch.restart_window_s``."""
+        la = self.cfg.launch
+        recent = self.restart_times[key]
+        while recent and time.monotonic() - recent[0] > la.restart_window_s:
+            recent.popleft()
+        return len(recent) < la.max_restarts
+
+    def _note_restart(self, key: str) -> None:
+        self.restarts[key] += 1  # all of the run's (reported); restart_times holds the recent ones
+        self.restart_times[key].append(time.monotonic())
+
     def _restart(self, svc: ServiceHandle) -> None:
         code, la = svc.returncode, self.cfg.launch
         if not la.restart or code == 2:  # 2: a bad configuration, which a restart cannot fix
             raise ServiceFailed(svc, f"exited with code {code}")
         key = "spares" if svc in self.spares else svc.name  # a dead spare's successor has a new name
-        if self.restarts[key] >= la.max_restarts:
-            raise ServiceFailed(svc, f"exited with code {code} after {self.restarts[key]} restarts")
-        self.restarts[key] += 1
+        if not self._may_restart(key):
+            raise ServiceFailed(
+                svc, f"exited with code {code} after {la.max_restarts} restarts within {la.restart_window_s:g}s"
+            )
+        self._note_restart(key)
         self.console.print(f"[yellow]{svc.name} exited with code {code}: restart {self.restarts[key]}")
         svc.stop(timeout_s=5)  # whatever of its process group is left (vLLM's engine core) goes too
         if svc.name.startswith("generator") and self._promote_spare(svc):

@@ -5,6 +5,7 @@ from the training window alone."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -308,3 +309,33 @@ def test_a_dead_service_s_leftovers_go_with_it_and_its_group_is_never_signalled_
     assert signalled == [svc.pid]
     svc.stop()
     assert not svc.alive() and signalled == [svc.pid]
+
+
+def test_restarts_count_against_the_budget_only_within_the_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``launch.max_restarts`` crashes within ``launch.restart_window_s`` end the run; crashes
+    further apart, over a run of days, do not add up to its end."""
+    from flywheel.launcher import ServiceFailed
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    launch = _launch(tmp_path, monkeypatch, [], "--launch.max_restarts", "2", "--launch.restart_window_s", "3600")
+    monkeypatch.setattr(launcher, "Service", FakeProcess)
+    gen = launch._start_generator(0)
+    launch.generators = [gen]
+    for _ in range(2):
+        gen.code = -9
+        launch._restart(gen)
+        gen = launch.generators[0]
+    launch.restart_times["generator0"] = deque(t - 3601 for t in launch.restart_times["generator0"])  # long ago
+    gen.code = -9
+    launch._restart(gen)  # the two earlier ones are out of the window
+    gen = launch.generators[0]
+    gen.code = -9
+    launch._restart(gen)
+    gen = launch.generators[0]
+    gen.code = -9
+    gen.log_path, gen.tail = tmp_path / "generator0.log", lambda n=30: ""  # what the failure quotes
+    with pytest.raises(ServiceFailed, match="after 2 restarts within 3600s"):
+        launch._restart(gen)  # the third within the hour
+    assert launch.restarts["generator0"] == 4  # the run's total, as reported
