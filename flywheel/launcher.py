@@ -8,8 +8,8 @@ register) -> the learner. Then one live display for the whole system until the l
 A service that dies (kill -9, out of memory, a crash) is started again with the same flags
 (``launch.restart``, at most ``launch.max_restarts`` times each within ``launch.restart_window_s``):
 Redis from its AOF on the same port, the hub on the same ports (so its peers reconnect by
-themselves), the learner from its latest checkpoint. A bad configuration (exit code 2), or one restart too many, stops the run:
-everything is shut down (generators drain, Redis last) and the launcher names the service, its
+themselves), the learner from its latest checkpoint. A bad configuration (exit code 2), or one
+restart too many, stops the run: everything is shut down (generators drain, Redis last) and the launcher names the service, its
 exit code and the end of its log. Ctrl-C does the same. Each service runs in its own process
 group and gets SIGTERM if the launcher itself dies. ``<run_dir>/services.json`` names every
 running service's pid (chaos tests read it).
@@ -251,17 +251,8 @@ class LocalLaunch:
     def _restart_redis(self) -> None:
         """The same port and directory: it reloads its AOF, and every client reconnects."""
         assert self.redis is not None
-        old = self.redis
-        old.stop()
-        self.redis = RedisServer(
-            old.dir,
-            port=old.port,
-            appendfsync=self.cfg.redis.appendfsync,
-            aof_rewrite_min_mb=self.cfg.redis.aof_rewrite_min_mb,
-            password=old.password,
-            username=old.username,
-            ready_timeout_s=self.cfg.launch.ready_timeout_s,  # a long AOF loads before Redis answers
-        )
+        # (a long AOF loads before Redis answers)
+        self.redis = self.redis.restarted(ready_timeout_s=self.cfg.launch.ready_timeout_s)
         self._pin_redis()
 
     def _service(self, name: str, module: str, *args: str, env: dict[str, str] | None = None) -> ServiceHandle:

@@ -69,14 +69,14 @@ class RedisRunner:
         password: str | None,
         username: str | None,
     ) -> None:
-        self._args: dict[str, Any] = dict(
+        self.server = RedisServer(
+            data_dir,
             appendfsync=appendfsync,
             aof_rewrite_min_mb=aof_rewrite_min_mb,
             bind=bind,
             password=password,
             username=username,
         )
-        self.server = RedisServer(data_dir, **self._args)
 
     def port(self) -> int:
         return self.server.port
@@ -85,10 +85,7 @@ class RedisRunner:
         return self.server.proc.poll()
 
     def restart(self, ready_timeout_s: float) -> None:
-        """The same port and directory: it reloads its AOF, and every client reconnects."""
-        old = self.server
-        old.stop()
-        self.server = RedisServer(old.dir, port=old.port, ready_timeout_s=ready_timeout_s, **self._args)
+        self.server = self.server.restarted(ready_timeout_s)
 
     def stop(self) -> None:
         self.server.stop()

@@ -53,6 +53,14 @@ class RedisServer:
         self.dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="flywheel-redis-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
+        # what a restart starts again with (``restarted``)
+        self._settings: dict[str, Any] = dict(
+            appendfsync=appendfsync,
+            aof_rewrite_min_mb=aof_rewrite_min_mb,
+            bind=bind,
+            password=password,
+            username=username,
+        )
         self.url = f"redis://127.0.0.1:{self.port}/0"  # never with credentials: it is shown and logged
         self.password, self.username = password, username if password is not None else None
         args = [
@@ -135,6 +143,19 @@ class RedisServer:
         return redis.Redis.from_url(self.url, **kwargs)
 
     def stop(self) -> None:
+        self._stop_process()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def restarted(self, ready_timeout_s: float) -> RedisServer:
+        """Stop this server (if it still runs) and start another with its settings on its port and
+        directory: it reloads the AOF, and every client reconnects."""
+        self._stop_process()
+        again = RedisServer(self.dir, port=self.port, ready_timeout_s=ready_timeout_s, **self._settings)
+        again._own_dir = self._own_dir
+        return again
+
+    def _stop_process(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -143,8 +164,6 @@ class RedisServer:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self._log.close()
-        if self._own_dir:
-            shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> RedisServer:
         return self

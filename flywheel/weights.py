@@ -256,6 +256,23 @@ def join_group(
     return WeightGroup(pg, rank, world_size, epoch, torch.device(device), store if rank == 0 else None)
 
 
+def join_announced(ready: WeightsReady, rank: int, device: torch.device | str = "cpu") -> WeightGroup:
+    """A generator's side: join the group ``ready`` announces, as ``rank``, by its deadline."""
+    timeout = ready.deadline - time.time()
+    if timeout <= 0:
+        raise WeightSyncError(f"the deadline of version {ready.version} passed before this worker could join")
+    return join_group(
+        ready.transport,
+        ready.master_addr,
+        ready.master_port,
+        rank,
+        ready.world_size,
+        ready.epoch,
+        timeout,
+        device=device,
+    )
+
+
 def receive(group: WeightGroup, ready: WeightsReady) -> Iterator[tuple[str, torch.Tensor]]:
     """Receive every bucket of ``ready``, yielding named tensors bucket by bucket.
 

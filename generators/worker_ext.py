@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from flywheel.weights import WeightGroup, WeightSyncError, check_layout, join_group, receive
+from flywheel.weights import WeightGroup, WeightSyncError, check_layout, join_announced, receive
 from flywheel.wire import Decoder, WeightsReady, WireError
 
 
@@ -73,21 +73,10 @@ class WeightReceiverExtension:
         if group is not None and group.epoch == ready.epoch:
             return group
         self._flywheel_drop_group()
-        timeout = ready.deadline - time.time()
-        if timeout <= 0:
-            raise WeightSyncError(f"the deadline of version {ready.version} passed before this worker could join")
-        group = join_group(
-            ready.transport,
-            ready.master_addr,
-            ready.master_port,
-            rank,
-            ready.world_size,
-            ready.epoch,
-            timeout,
-            # gloo moves host memory (the loader copies each tensor to the model's device); NCCL
-            # receives straight into device memory
-            device=self.device if ready.transport == "nccl" else "cpu",  # type: ignore[attr-defined]
-        )
+        # gloo moves host memory (the loader copies each tensor to the model's device); NCCL
+        # receives straight into device memory
+        device = self.device if ready.transport == "nccl" else "cpu"  # type: ignore[attr-defined]
+        group = join_announced(ready, rank, device)
         self._flywheel_group = group
         return group
 

@@ -89,8 +89,7 @@ class WeightBroadcaster:
         self.decoder = Decoder(ToLearner, max_bytes=MAX_JOIN_BYTES)
         self.members: dict[str, Member] = {}
         self.group: WeightGroup | None = None
-        self.group_ranks: dict[str, int] = {}  # each member's first rank in the group
-        self.group_workers: dict[str, int] = {}  # each member's ranks in the group
+        self.group_workers: dict[str, int] = {}  # each member's ranks in the group, in rank order
         # Group names start from the clock: a restarted learner must never announce an epoch a
         # generator still holds a (dead) group for, or that generator would reuse it and hang.
         self.epoch = time.time_ns() // 1_000_000
@@ -208,18 +207,14 @@ class WeightBroadcaster:
         # member's process was replaced since it was built (restarted, or a spare under its id):
         # the new process holds none of the old group.
         workers = {gen_id: members[gen_id].workers for gen_id in sorted(members)}
-        replaced = self._restarted & set(self.group_ranks)
+        replaced = self._restarted & set(self.group_workers)
         if self.group is None or workers != self.group_workers or replaced:
             self._close_group()
             self.epoch += 1
-            rank = 1
-            for gen_id, n in workers.items():
-                self.group_ranks[gen_id] = rank
-                rank += n
             self.group_workers = workers
             store = host_store(self.cfg.host, self.cfg.timeout_s)
             report.rebuilt_group = True
-        report.members = sorted(self.group_ranks)
+        report.members = sorted(self.group_workers)
         deadline = time.time() + self.cfg.timeout_s
         world = 1 + sum(self.group_workers.values())
         ready = WeightsReady(
@@ -231,7 +226,7 @@ class WeightBroadcaster:
             master_addr=self.cfg.host,
             master_port=store.port if store is not None else self._store_port,
             world_size=world,
-            ranks=self.group_ranks,
+            ranks=self.group_ranks(),
         )
         self._acks.clear()
         self._restarted.clear()
@@ -287,11 +282,17 @@ class WeightBroadcaster:
                     self.members.pop(gen_id, None)  # it rejoins with its next SyncJoin
             self._close_group()
 
+    def group_ranks(self) -> dict[str, int]:
+        """Each member's first rank in the group (rank 0 is this learner)."""
+        ranks, rank = {}, 1
+        for gen_id, n in self.group_workers.items():
+            ranks[gen_id], rank = rank, rank + n
+        return ranks
+
     def _close_group(self) -> None:
         if self.group is not None:
             self.group.close()
         self.group = None
-        self.group_ranks = {}
         self.group_workers = {}
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-from flywheel.weights import WeightGroup, WeightSyncError, join_group, receive
+from flywheel.weights import WeightGroup, WeightSyncError, join_announced, receive
 from generators.sync_link import SyncLink
 
 
@@ -29,17 +29,7 @@ def main(announce_port: int, join_port: int, generator_id: str) -> None:
                 if group is None or group.epoch != ready.epoch:
                     if group is not None:
                         group.close()
-                    timeout = ready.deadline - time.time()
-                    rank = ready.ranks[generator_id]
-                    group = join_group(
-                        ready.transport,
-                        ready.master_addr,
-                        ready.master_port,
-                        rank,
-                        ready.world_size,
-                        ready.epoch,
-                        timeout,
-                    )
+                    group = join_announced(ready, ready.ranks[generator_id])
                 total = sum(float(t.sum()) for _, t in receive(group, ready))
             except WeightSyncError as err:
                 group = None
