@@ -105,7 +105,7 @@ class Hub:
         self.next_lease_id = 0
         self.epoch = 0
         self.cursor = 0
-        self.requeued_prompts: deque[int] = deque()
+        self.requeued_prompts: deque[tuple[int, int]] = deque()  # (prompt index, attempt)
         self.groups: dict[int, OpenGroup] = {}
         self.leases: dict[int, ActiveLease] = {}
         self.unassigned: deque[int] = deque()  # lease ids re-issued, waiting for a generator
@@ -645,10 +645,8 @@ class Hub:
         for gid in gids:
             metas.hget(self.keys.group(int(gid)), META)
         for gid, raw in zip(gids, metas.execute(), strict=True):
-            if self.cfg.async_.requeue_stale and raw is not None:
-                index = unpack(GroupMeta, raw).prompt_index
-                self.requeued_prompts.append(index)
-                self._pipe.rpush(self.keys.requeue, index)
+            if raw is not None:
+                self._requeue(unpack(GroupMeta, raw))
             self._pipe.unlink(self.keys.group(int(gid)))
         log.info("%d groups dropped as too stale (requeue=%s)", len(gids), self.cfg.async_.requeue_stale)
 
@@ -706,12 +704,30 @@ class Hub:
         self._pipe.hincrby(self.keys.counters, "groups_dropped_generating", 1)
         self.groups_dropped += 1
         self.stats.groups_dropped_generating += 1
-        if self.cfg.async_.requeue_stale:
-            self.requeued_prompts.append(group.meta.prompt_index)
-            self._pipe.rpush(self.keys.requeue, group.meta.prompt_index)
+        self._requeue(group.meta)
         if len(self._dropped_groups) > 100_000:  # bounded memory: late messages for these are long gone
             self._dropped_groups.clear()
             self._revoked_leases.clear()
+
+    def _requeue(self, meta: GroupMeta) -> None:
+        """Issue a dropped group's prompt again, before the cursor advances, unless it has had its
+        ``async.max_requeues`` attempts: a prompt whose answers always outlast the bound is then
+        skipped and counted, not generated for good."""
+        if not self.cfg.async_.requeue_stale:
+            return
+        attempt = meta.attempt + 1
+        if attempt > self.cfg.async_.max_requeues:
+            self.stats.prompts_abandoned += 1
+            self._pipe.hincrby(self.keys.counters, "prompts_abandoned", 1)
+            log.warning(
+                "prompt %d dropped as too stale %d times: skipped (async.max_requeues %d)",
+                meta.prompt_index,
+                attempt,
+                self.cfg.async_.max_requeues,
+            )
+            return
+        self.requeued_prompts.append((meta.prompt_index, attempt))
+        self._pipe.rpush(self.keys.requeue, f"{meta.prompt_index}:{attempt}")
 
     def _refuse_turn_chunks(self, gid: int) -> None:
         """The group is dropped in the turn that accepted these chunks of it. Written after the
@@ -843,8 +859,9 @@ class Hub:
         return None if group is None else self._new_lease(group.meta.group_id, list(range(group.meta.n_samples)))
 
     def _issue_group(self) -> OpenGroup | None:
+        attempt = 0
         if self.requeued_prompts:
-            index, epoch = self.requeued_prompts.popleft(), self.epoch
+            (index, attempt), epoch = self.requeued_prompts.popleft(), self.epoch
             self._pipe.lpop(self.keys.requeue)
         else:
             if self.source.exhausted(self.epoch):
@@ -866,6 +883,7 @@ class Hub:
             n_samples=n,
             metadata=prompt.metadata,
             issued_at_version=self.learner_version,
+            attempt=attempt,
         )
         group = OpenGroup(meta, [SampleAssembly(lease_id=-1) for _ in range(n)])
         self.groups[gid] = group
@@ -918,6 +936,7 @@ class Hub:
             "reward_registrations": s.reward_registrations,
             "generators_departed": s.generators_departed,
             "groups_dropped_reward": s.groups_dropped_reward,
+            "prompts_abandoned": s.prompts_abandoned,
             "admission_blocked_seconds": s.admission_blocked_s,
             "groups_issued": self.groups_issued,
             "groups_dropped": self.groups_dropped,

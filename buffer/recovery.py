@@ -40,7 +40,8 @@ def load(hub: Hub) -> None:
     hub.stats.groups_dropped_reward = counters.get("groups_dropped_reward", 0)
     source = {key.decode(): int(v) for key, v in r.hgetall(k.source).items()}
     hub.epoch, hub.cursor = source.get("epoch", 0), source.get("cursor", 0)
-    hub.requeued_prompts.extend(int(i) for i in r.lrange(k.requeue, 0, -1))
+    hub.stats.prompts_abandoned = counters.get("prompts_abandoned", 0)
+    hub.requeued_prompts.extend(_requeued(entry) for entry in r.lrange(k.requeue, 0, -1))
     hub.learner_version = int(r.get(k.version) or 0)
     hub.claim_floor = int(r.get(k.claim_floor) or -1)
 
@@ -144,3 +145,9 @@ def _keep_lease_chunks(sample: SampleAssembly, lease_id: int) -> None:
         sample.chunks = {q: c for q, c in sample.chunks.items() if c.lease_id == lease_id}
         finals = [c.seq for c in sample.chunks.values() if c.finish_reason is not None]
         sample.final_seq = finals[0] if finals else None
+
+
+def _requeued(entry: bytes) -> tuple[int, int]:
+    """A re-queued prompt's (index, attempt), from ``INDEX:ATTEMPT`` (a bare index: attempt 1)."""
+    index, _, attempt = entry.partition(b":")
+    return int(index), int(attempt or 1)

@@ -35,6 +35,7 @@ class HubStats:
     rejected: Counter[str] = field(default_factory=Counter)
     reward_errors: Counter[str] = field(default_factory=Counter)  # failed scores by reason (timeout, ...)
     groups_dropped_reward: int = 0  # dropped for a failed score (reward.on_error drop_group)
+    prompts_abandoned: int = 0  # dropped as too stale async.max_requeues + 1 times: not issued again
     groups_dropped_generating: int = 0  # already too stale while generating (async.revoke_stale)
     admission_blocked_s: float = 0.0  # generators had free slots the staleness bound kept empty
     # seconds from the start of a turn that took chunks to its Redis write returning (recent turns),

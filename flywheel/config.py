@@ -159,6 +159,14 @@ class AsyncConfig(_Section):
     requeue_stale: bool = Field(
         True, description="Re-queue the prompts of groups dropped as too stale (otherwise they are skipped)."
     )
+    max_requeues: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description="A prompt dropped as too stale is issued again at most this many times, then skipped and "
+        "counted (prompts_abandoned): one whose answers always take longer than the bound would otherwise "
+        "take generation time for good.",
+    )
     revoke_stale: bool = Field(
         True,
         description="Drop a group the moment its oldest token is more than η versions behind the learner "

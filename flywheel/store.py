@@ -13,7 +13,7 @@ Shared by the hub (the writer) and the learner's batch client (the consumer). La
     fw:{R}:leases         hash: lease id -> LeaseRecord
     fw:{R}:generators     hash: generator id -> GeneratorRecord
     fw:{R}:source         hash: epoch, cursor (prompt source position)
-    fw:{R}:requeue        list: prompt indices to issue again before the cursor advances
+    fw:{R}:requeue        list: prompts to issue again before the cursor advances, b"INDEX:ATTEMPT"
     fw:R:g:{R:<gid>}      hash: everything of one group (one key, so one hash slot):
                             meta -> GroupMeta, c:<sample>:<seq> -> [Chunk, ...] (chunks of one
                             sample accepted in one hub turn: the only copy of its tokens),
@@ -125,6 +125,7 @@ class GroupMeta(msgspec.Struct, kw_only=True, gc=False):
     n_samples: int
     metadata: dict[str, str | int | float | bool | None]
     issued_at_version: int  # learner version when the group was issued
+    attempt: int = 0  # how many times the prompt was issued before, each dropped as too stale
 
 
 class SampleDone(msgspec.Struct, kw_only=True, gc=False):

@@ -125,7 +125,7 @@ def test_too_stale_groups_are_dropped_and_requeued(cluster: Cluster, requeue: bo
     # ... and re-queues their prompts when configured: they wait in the re-queue list or have
     # already gone out again as new groups, ahead of any prompt not yet issued
     def requeued() -> set[int]:
-        found = {int(i) for i in r.lrange(client.keys.requeue, 0, -1)}
+        found = {int(i.partition(b":")[0]) for i in r.lrange(client.keys.requeue, 0, -1)}
         for key in r.scan_iter(match="fw:flywheel:g:*"):
             raw = r.hget(key, META)
             if raw is not None:
@@ -137,6 +137,42 @@ def test_too_stale_groups_are_dropped_and_requeued(cluster: Cluster, requeue: bo
     else:
         time.sleep(1.0)  # many reap periods
         assert not set(prompts) & requeued(), (prompts, sorted(requeued()))
+
+
+def test_a_prompt_dropped_more_than_max_requeues_times_is_abandoned(cluster: Cluster) -> None:
+    """async.max_requeues 1: a prompt dropped as too stale goes out once more (attempt 1); dropped
+    again, it is skipped and counted, not issued for good."""
+    cluster.start_hub(
+        *("--async.max_staleness", "1", "--async.groups_per_step", str(GPS), "--data.n_samples_per_prompt", "2"),
+        *("--async.max_requeues", "1", "--data.shuffle", "false"),
+    )
+    client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(1, GPS))
+    r = client.redis
+
+    def ready_metas() -> list[GroupMeta]:
+        raws = [r.hget(client.keys.group(int(g)), META) for g in r.zrange(client.keys.ready, 0, -1)]
+        return [unpack(GroupMeta, raw) for raw in raws if raw is not None]
+
+    sim = cluster.start_simgen("sim", "--min-len", "8", "--max-len", "16", "--tokens-per-s", "20000", "--capacity", "8")
+    cluster.start_reward()
+    wait_until(lambda: len(ready_metas()) == 2 * GPS, 30, "4 ready groups")
+    first = {m.prompt_index for m in ready_metas()}
+    sim.stop()
+    assert client.try_claim(GPS, 5)[1] == 2 * GPS  # every ready group is too stale at v5: dropped
+    wait_until(lambda: r.llen(client.keys.requeue) == 2 * GPS, 10, "the 4 prompts re-queued")
+    assert sorted(r.lrange(client.keys.requeue, 0, -1)) == sorted(f"{p}:1".encode() for p in first)
+
+    sim = cluster.start_simgen("sim2", "--min-len", "8", "--max-len", "16", "--tokens-per-s", "20000", "--capacity", "8")
+    wait_until(
+        lambda: first <= {m.prompt_index for m in ready_metas() if m.attempt == 1}, 30, "the re-queued prompts ready"
+    )
+    sim.stop()
+    dropped = client.try_claim(GPS, 10)[1]  # all too stale again, the second time for the first four
+    assert dropped >= 2 * GPS
+    wait_until(lambda: int(r.hget(client.keys.counters, "prompts_abandoned") or 0) == 2 * GPS, 10, "4 abandoned")
+    time.sleep(0.5)  # many reap periods: nothing of the first four comes back
+    again = {int(e.partition(b":")[0]) for e in r.lrange(client.keys.requeue, 0, -1)}
+    assert not first & again, (first, again)
 
 
 @pytest.mark.parametrize("revoke", [True, False])
