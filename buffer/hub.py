@@ -22,7 +22,7 @@ import zmq
 
 from buffer.prompts import PromptSource
 from buffer.state import ActiveLease, GeneratorInfo, OpenGroup, RewardWorker, SampleAssembly
-from buffer.stats import HubStats, RateMeter, RejectLog, start_metrics_server
+from buffer.stats import HubStats, RateMeter, RejectLog, SnapshotExchange, start_metrics_server
 from buffer.turn_write import TurnWrite
 from flywheel.config import FlywheelConfig
 from flywheel.netsec import curve_server, refused_peers
@@ -91,6 +91,7 @@ class Hub:
             top_k=cfg.rollout.top_k,
         )
         self.stats = HubStats()
+        self.snapshots = SnapshotExchange(self.snapshot)  # /metrics reads the stats through the loop
         self.stats.watch_gc()
         self.rejects = RejectLog(self.stats, self.hcfg.reject_log_interval_s)
         self.decoder = Decoder(ToHub, max_bytes=self.hcfg.max_message_bytes)
@@ -172,7 +173,7 @@ class Hub:
 
     def start_metrics(self) -> None:
         if self.hcfg.metrics_port is not None:
-            self.ports["metrics_port"] = start_metrics_server(self.hcfg.metrics_port, self.hcfg.host, self.snapshot)
+            self.ports["metrics_port"] = start_metrics_server(self.hcfg.metrics_port, self.hcfg.host, self.snapshots)
 
     def write_state_file(self) -> None:
         if self.hcfg.state_file:
@@ -207,6 +208,7 @@ class Hub:
             self._dispatch_leases()
             self._dispatch_scores(self._turn_started)
             self._flush()
+            self.snapshots.serve()  # a scrape waiting for the stats: taken here, not on its thread
 
     def _drain(self, sock: zmq.Socket) -> None:
         while self._turn_items < self.hcfg.max_turn_items:

@@ -9,9 +9,14 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -119,21 +124,26 @@ class RateMeter:
         return out
 
 
-def start_metrics_server(port: int, host: str, snapshot: Callable[[], dict[str, object]]) -> int:
-    """Serve /metrics in Prometheus text format from ``snapshot()``; return the bound port.
+def start_metrics_server(port: int, host: str, snapshots: SnapshotExchange) -> int:
+    """Serve /metrics in Prometheus text format from the hub's snapshots; return the bound port.
 
-    ``snapshot`` returns ``{"counters": {...}, "gauges": {...}, "rejected": {reason: n},
-    "staleness": {k: n}}``; it is called on the HTTP thread at each scrape.
+    A snapshot is ``{"counters": {...}, "gauges": {...}, "rejected": {reason: n},
+    "staleness": {k: n}}``, taken by the hub's loop at each scrape (``SnapshotExchange``). Each
+    server has a registry of its own (the process, platform and GC collectors, and the hub's), so
+    two hubs in one process do not collide in prometheus_client's global one.
     """
-    from prometheus_client import REGISTRY
+    from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.registry import Collector
 
     http_rejected = HttpRejections()
+    registry = CollectorRegistry()
+    for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(standard)
 
     class HubCollector(Collector):
         def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-            snap = snapshot()
+            snap = snapshots.request()
             for name, value in snap["counters"].items():  # type: ignore[attr-defined]
                 yield CounterMetricFamily(f"flywheel_hub_{name}", f"hub counter {name}", value=value)
             for name, value in snap["gauges"].items():  # type: ignore[attr-defined]
@@ -158,9 +168,65 @@ def start_metrics_server(port: int, host: str, snapshot: Callable[[], dict[str, 
             for reason, n in http_rejected.snapshot().items():
                 http.add_metric([reason], n)
             yield http
+            yield CounterMetricFamily(
+                "flywheel_hub_stale_scrapes",
+                "scrapes answered with the previous snapshot: the hub's loop did not answer in time",
+                value=snapshots.stale_scrapes,
+            )
 
-    REGISTRY.register(HubCollector())
-    return serve_metrics(port, host, http_rejected)
+    registry.register(HubCollector())
+    return serve_metrics(port, host, http_rejected, registry)
+
+
+class SnapshotExchange:
+    """Hands the hub's stats from its loop to the metrics server's threads.
+
+    The stats are the loop's own dicts and deques: read on another thread, they can change size
+    mid-read (a scrape then fails with ``RuntimeError``). So a scrape asks, and the loop takes the
+    snapshot between two turns (``serve``, one attribute read when nobody asked). A loop that
+    does not answer within ``timeout_s`` (busy on a long turn, or not started yet) gets the last
+    snapshot served again, marked by ``stale_scrapes``; if there is none yet, the scrape fails.
+    """
+
+    def __init__(self, take: Callable[[], dict[str, object]], timeout_s: float = 2.0) -> None:
+        self._take = take
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._pending: Future[dict[str, object]] | None = None
+        self._last: dict[str, object] | None = None
+        self.stale_scrapes = 0
+
+    def request(self) -> dict[str, object]:
+        """On a metrics thread: the loop's next snapshot (or, past the timeout, its last)."""
+        with self._lock:
+            if self._pending is None:  # scrapes at the same moment share one snapshot
+                self._pending = Future()
+            pending = self._pending
+        try:
+            snap = pending.result(timeout=self.timeout_s)
+        except TimeoutError:  # (concurrent.futures' is the builtin one)
+            with self._lock:
+                self.stale_scrapes += 1
+                last = self._last
+            if last is None:
+                raise TimeoutError(f"the hub's loop gave no stats within {self.timeout_s}s") from None
+            return last
+        with self._lock:
+            self._last = snap
+        return snap
+
+    def serve(self) -> None:
+        """On the hub's loop, between turns: answer a scrape that is waiting."""
+        if self._pending is None:
+            return
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.set_result(self._take())
+        except Exception as exc:  # the scrape reports it (HTTP 500); the loop goes on
+            pending.set_exception(exc)
 
 
 class HttpRejections:
@@ -182,7 +248,7 @@ class HttpRejections:
 METRICS_READ_TIMEOUT_S = 10.0
 
 
-def serve_metrics(port: int, host: str, rejected: HttpRejections) -> int:
+def serve_metrics(port: int, host: str, rejected: HttpRejections, registry: CollectorRegistry) -> int:
     """prometheus_client's WSGI server, with a read timeout and every refused request counted.
 
     Its stock handler waits for a request line forever (each silent connection holds a thread
@@ -192,7 +258,6 @@ def serve_metrics(port: int, host: str, rejected: HttpRejections) -> int:
     """
     from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, make_server
 
-    from prometheus_client import REGISTRY
     from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 
     class Handler(WSGIRequestHandler):
@@ -234,7 +299,7 @@ def serve_metrics(port: int, host: str, rejected: HttpRejections) -> int:
         def log_message(self, format: str, *args: object) -> None:
             pass  # no line per request (the counters say what matters)
 
-    metrics_app = make_wsgi_app(REGISTRY)
+    metrics_app = make_wsgi_app(registry)
 
     def app(environ: dict[str, object], start_response: Callable[..., object]) -> object:
         def counting_start_response(status: str, headers: list[tuple[str, str]], *exc: object) -> object:
