@@ -140,8 +140,14 @@ class RolloutConfig(_Section):
 
     max_tokens: int = Field(256, ge=1, le=1 << 20, description="Maximum new tokens per sample.")
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling mass. Must stay 1 for training rollouts: the learner's log-probabilities "
+        "are over the whole vocabulary.",
+    )
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 (or 0) disables it, as training rollouts need.")
 
 
 class AsyncConfig(_Section):
@@ -479,7 +485,8 @@ class LossConfig(_Section):
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
         "token_mean",
         description="token_mean (every token weighs the same), seq_mean_token_mean (every sequence), "
-        "seq_mean_token_sum_norm (Dr. GRPO: token sum over a constant).",
+        "seq_mean_token_sum_norm (Dr. GRPO: token sum over a constant, sequences x rollout.max_tokens). "
+        "Over every data-parallel rank's tokens and sequences.",
     )
 
 
@@ -791,6 +798,20 @@ class FlywheelConfig(_Section):
             raise ValueError(f"algo.critic.enabled trains a value model only gae uses, not {est}: drop it or use gae")
         if self.algo.loss.clip_high < self.algo.loss.clip_low:
             raise ValueError("algo.loss.clip_high must be >= algo.loss.clip_low (clip-higher widens the upper side)")
+        kl = self.algo.kl
+        if kl.coef > 0 and kl.estimator == "k1" and not kl.in_reward:
+            raise ValueError(
+                "algo.kl.estimator k1 in the loss penalises nothing: its gradient is the score function, whose "
+                "expectation is 0. Use --algo.kl.estimator k3 (or k2) in the loss, or put k1 in the reward "
+                "with --algo.kl.in_reward true"
+            )
+        if self.rollout.top_p < 1.0 or self.rollout.top_k > 0:
+            raise ValueError(
+                f"rollout.top_p {self.rollout.top_p} / rollout.top_k {self.rollout.top_k} sample from a truncated "
+                "distribution, whose log-probabilities the generators report, while the learner's are over the "
+                "whole vocabulary: every importance ratio would be off, on-policy too. Keep --rollout.top_p 1 "
+                "and --rollout.top_k -1 for training rollouts (temperature is matched on both sides)"
+            )
         return self
 
     @model_validator(mode="after")

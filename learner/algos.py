@@ -47,6 +47,11 @@ def token_rewards(
 def group_advantages(rewards_GN: torch.Tensor, estimator: str, eps: float = 1e-6) -> torch.Tensor:
     """Outcome advantages from each group's rewards (one value per sample)."""
     r = rewards_GN.float()
+    if r.shape[1] < 2:  # the std of one sample is NaN, and every baseline is the sample itself
+        raise ValueError(
+            f"{estimator} compares the samples of a group, and these groups hold {r.shape[1]}: "
+            "set data.n_samples_per_prompt to 2 or more (the hub's and the learner's)"
+        )
     mean = r.mean(1, keepdim=True)
     if estimator == "grpo":
         return (r - mean) / (r.std(1, keepdim=True) + eps)  # std with Bessel's correction
@@ -54,8 +59,6 @@ def group_advantages(rewards_GN: torch.Tensor, estimator: str, eps: float = 1e-6
         return r - mean  # Dr. GRPO: no std division (it biases toward easy and hard prompts)
     if estimator == "rloo":
         n = r.shape[1]
-        if n < 2:
-            raise ValueError("rloo needs at least 2 samples per prompt (data.n_samples_per_prompt)")
         return (r - mean) * n / (n - 1)  # r_i - mean of the others
     raise ValueError(f"{estimator!r} is not a group estimator; choose one of {GROUP_ESTIMATORS}")
 
@@ -105,10 +108,17 @@ def advantages(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token advantages for any estimator (sequences in group order: B = G * N).
 
+    With ``kl_BT`` and ``kl_coef`` (KL in the reward), the token estimators take the KL on every
+    token's reward; the group estimators, which see one reward per sample, take each sample's
+    reward less ``kl_coef`` times its summed KL (verl's outcome form of the same penalty).
+
     Returns (advantages_BT, returns_BT for the critic or None).
     """
     rewards_B = rewards_GN.reshape(-1).float()
     if estimator in ("grpo", "dr_grpo", "rloo"):
+        if kl_BT is not None and kl_coef:
+            penalty_B = (kl_BT.float() * mask_BT).sum(1)
+            rewards_GN = rewards_GN.float() - kl_coef * penalty_B.reshape(rewards_GN.shape)
         return group_advantages(rewards_GN, estimator)[..., None].reshape(-1, 1) * mask_BT, None
     if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
         if estimator == "reinforce_pp_baseline":

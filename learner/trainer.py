@@ -398,10 +398,11 @@ class Trainer:
             gamma=self.cfg.algo.advantage.gamma,
             lam=self.cfg.algo.advantage.lam,
         )
-        self._optimize(seqs, mbs, staged, weights, adv, prox, ref, resp_mask, stats, apply)
+        norms = self._step_norms(resp_mask, has_signal, apply)
+        self._optimize(seqs, mbs, staged, weights, adv, prox, ref, resp_mask, norms, stats, apply)
         if self.critic is not None:
             assert old_values is not None and returns is not None
-            self._fit_critic(mbs, weights, old_values, returns, resp_mask, stats, apply)
+            self._fit_critic(mbs, weights, old_values, returns, resp_mask, norms[0], stats, apply)
         stats.metrics.update(
             {
                 "reward/mean": float(rewards_GN.mean()),
@@ -418,6 +419,23 @@ class Trainer:
             }
         )
         return stats
+
+    def _step_norms(self, resp_mask: torch.Tensor, has_signal: bool, apply: bool) -> tuple[float, float]:
+        """The step's (response tokens, sequences) that a rank's losses divide by.
+
+        DeepSpeed averages the ranks' gradients, so each rank must divide by the step's totals over
+        every rank, over the world size: dividing by its own counts would weigh a token on a rank
+        with few tokens more than one on a rank with many, and count a rank with nothing to learn
+        (every group filtered out) in the average. At world 1 they are this rank's counts."""
+        tokens = float(resp_mask.sum()) if has_signal else 0.0
+        seqs = float(resp_mask.shape[0]) if has_signal else 0.0
+        if self.world > 1 and apply:
+            import torch.distributed as dist
+
+            t = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            tokens, seqs = (float(x) / self.world for x in t.tolist())
+        return max(tokens, 1.0), max(seqs, 1.0)
 
     def _agree_max(self, value: int) -> int:
         """The largest ``value`` over the data-parallel ranks."""
@@ -445,11 +463,11 @@ class Trainer:
         old_values: torch.Tensor,
         returns: torch.Tensor,
         resp_mask: torch.Tensor,
+        step_tokens: float,
         stats: StepStats,
         apply: bool,
     ) -> None:
         assert self.critic is not None
-        step_tokens = max(float(resp_mask.sum()), 1.0)
         clip = self.cfg.algo.critic.value_clip
         total, err = 0.0, 0.0
         for k, (mb, weight) in enumerate(zip(mbs, weights, strict=True)):
@@ -468,7 +486,7 @@ class Trainer:
             err += float(((values.detach() - ret) ** 2 * mask).sum()) * weight
         stats.metrics["critic/value_loss"] = total
         stats.metrics["critic/value_mean"] = float(algos.masked_mean(old_values, resp_mask))
-        stats.metrics["critic/return_mse"] = err / step_tokens
+        stats.metrics["critic/return_mse"] = err / max(float(resp_mask.sum()), 1.0)
 
     def _prox_before_step(self) -> bool:
         """Whether the proximal log-probabilities are computed by a separate forward before the step.
@@ -564,12 +582,12 @@ class Trainer:
         prox: torch.Tensor | None,
         ref: torch.Tensor | None,
         resp_mask: torch.Tensor,
+        norms: tuple[float, float],
         stats: StepStats,
         apply: bool = True,
     ) -> None:
         algo = self.cfg.algo
-        step_tokens = float(resp_mask.sum())
-        step_seqs, step_width = len(seqs), resp_mask.shape[1]
+        step_tokens, step_seqs = norms
         # every micro-batch's per-token inputs on the device before the first forward
         inputs = [self._loss_inputs(seqs, mb, smb, adv, prox, ref) for mb, smb in zip(mbs, staged, strict=True)]
         # metric sums stay on the device and are read once after the loop: a float() per
@@ -579,7 +597,7 @@ class Trainer:
         self.engine.train()
         for k, (mb, smb, weight, inp) in enumerate(zip(mbs, staged, weights, inputs, strict=True)):
             with torch.enable_grad() if apply else torch.no_grad():
-                loss, m = self._micro_loss(mb, smb, inp, step_tokens, step_seqs, step_width)
+                loss, m = self._micro_loss(mb, smb, inp, step_tokens, step_seqs)
             n = float(smb.mask_cpu.sum())
             if weight == 0.0:
                 loss, n = loss * 0.0, 0.0  # padding: same collectives, no gradient, not counted
@@ -629,8 +647,7 @@ class Trainer:
         smb: StagedMicroBatch,
         inp: dict[str, torch.Tensor | None],
         step_tokens: float,
-        step_seqs: int,
-        step_width: int,
+        step_seqs: float,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One micro-batch's share of the step loss and its metrics (0-d tensors on the device: the
         policy loss's, the mean entropy and the mean KL)."""
@@ -653,7 +670,7 @@ class Trainer:
         if algo.entropy_coef > 0:
             loss = loss - algo.entropy_coef * algos.aggregate(ent_rows, mask, self.loss_cfg.aggregation)
         m["entropy"] = algos.masked_mean(ent_rows.detach(), mask)
-        loss = loss * self._share(mb, smb.mask_cpu, step_tokens, step_seqs, step_width)
+        loss = loss * self._share(mb, smb.mask_cpu, step_tokens, step_seqs)
         return loss, m
 
     def _record(self, sums: defaultdict[str, float], stats: StepStats, micro_batches: int, with_kl: bool) -> None:
@@ -675,14 +692,18 @@ class Trainer:
         if "prox_minus_behav" in sums:
             stats.metrics["offpolicy/prox_minus_behav"] = sums["prox_minus_behav"] / n
 
-    def _share(self, mb: MicroBatch, mask: torch.Tensor, step_tokens: float, step_seqs: int, step_width: int) -> float:
-        """Scale a micro-batch's loss so the step's loss is the aggregation over the whole batch."""
+    def _share(self, mb: MicroBatch, mask: torch.Tensor, step_tokens: float, step_seqs: float) -> float:
+        """Scale a micro-batch's loss so the step's loss is the aggregation over the whole batch
+        (``_step_norms``). Dr. GRPO's token sum divides by a constant, the generation budget
+        (``rollout.max_tokens``), not the batch's longest response: that would weigh a token of a
+        batch of short answers more than one of a batch of long ones."""
         mode = self.loss_cfg.aggregation
         if mode == "token_mean":
-            return float(mask.sum()) / max(step_tokens, 1.0)
+            return float(mask.sum()) / step_tokens
         if mode == "seq_mean_token_mean":
             return len(mb.seq_index) / step_seqs
-        return (mask.shape[0] * mask.shape[1]) / (step_seqs * step_width)
+        budget = max(self.cfg.rollout.max_tokens, mask.shape[1])
+        return (mask.shape[0] * mask.shape[1]) / (step_seqs * budget)
 
     # ------------------------------------------------------------------ weights out
 

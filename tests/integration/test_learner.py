@@ -15,7 +15,7 @@ import torch
 
 from flywheel.hub_client import BatchClient, cancel_finish, request_finish
 from flywheel.procs import Service
-from flywheel.redis_server import free_port
+from flywheel.redis_server import RedisServer, free_port
 from flywheel.staleness import StalenessPolicy
 from flywheel.store import RunKeys
 from flywheel.tiny import build_checkpoint
@@ -281,3 +281,39 @@ def test_learner_weights_reach_a_vllm_generator(cluster: Cluster, checkpoint_dir
             logits = teacher_forced(model, group.prompt_tokens, s.tokens)
             assert_greedy(logits, s.tokens, np.ones(len(s.tokens), bool), "v2")
     wait_until(lambda: gen.alive(), 1, "generator alive")
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum_norm"])
+def test_two_ranks_take_the_same_step_as_one_rank_on_the_whole_batch(
+    redis_server: RedisServer, checkpoint_dir: Path, aggregation: str
+) -> None:
+    """A group of short answers on one rank, of long ones on the other: DeepSpeed averages the
+    ranks' gradients, so each rank divides by the step's totals over both (it divided by its own,
+    weighing a short answer's token 4× a long one's), and Dr. GRPO's token sum by the generation
+    budget (it divided by each rank's longest answer). The step's gradient matches one rank's."""
+
+    def grad_norm(world: int) -> float:
+        script = ["-m", "tests.integration.norm_check", str(checkpoint_dir), redis_server.url, aggregation]
+        if world == 2:
+            script = [
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "2",
+                "--master_port",
+                str(free_port()),
+                *script,
+            ]
+        out = subprocess.run(
+            [sys.executable, *script],
+            cwd=ROOT,
+            env={**dict(__import__("os").environ), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return float(json.loads(out.stdout.strip().splitlines()[-1])["grad_norm"])
+
+    one, two = grad_norm(1), grad_norm(2)
+    assert one > 0 and two == pytest.approx(one, rel=1e-4)

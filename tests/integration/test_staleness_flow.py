@@ -162,7 +162,9 @@ def test_a_prompt_dropped_more_than_max_requeues_times_is_abandoned(cluster: Clu
     wait_until(lambda: r.llen(client.keys.requeue) == 2 * GPS, 10, "the 4 prompts re-queued")
     assert sorted(r.lrange(client.keys.requeue, 0, -1)) == sorted(f"{p}:1".encode() for p in first)
 
-    sim = cluster.start_simgen("sim2", "--min-len", "8", "--max-len", "16", "--tokens-per-s", "20000", "--capacity", "8")
+    sim = cluster.start_simgen(
+        "sim2", "--min-len", "8", "--max-len", "16", "--tokens-per-s", "20000", "--capacity", "8"
+    )
     wait_until(
         lambda: first <= {m.prompt_index for m in ready_metas() if m.attempt == 1}, 30, "the re-queued prompts ready"
     )

@@ -33,8 +33,9 @@ def test_group_estimators() -> None:
     close(group_advantages(r, "dr_grpo"), [[0.5, -0.5, -0.5, 0.5]])
     # rloo: r_i minus the mean of the others: 1 - 0 = 1; 0 - (1 + 0) / 2 = -0.5
     close(group_advantages(T([[1.0, 0.0, 0.0]]), "rloo"), [[1.0, -0.5, -0.5]])
-    with pytest.raises(ValueError, match="at least 2"):
-        group_advantages(T([[1.0]]), "rloo")
+    for estimator in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):  # grpo's std of one sample was NaN
+        with pytest.raises(ValueError, match="n_samples_per_prompt to 2 or more"):
+            group_advantages(T([[1.0], [0.0]]), estimator)
     with pytest.raises(ValueError, match="group estimator"):
         group_advantages(r, "gae")
 
@@ -44,6 +45,18 @@ def test_group_advantage_is_spread_over_real_tokens_only() -> None:
     adv, returns = advantages("dr_grpo", T([[2.0, 0.0]]), mask)
     close(adv, [[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0]])
     assert returns is None
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_kl_in_the_reward_reaches_the_group_estimators(estimator: str) -> None:
+    """KL in the reward: each sample's reward less kl_coef times its summed KL (it was dropped)."""
+    mask = T([[1.0, 1.0], [1.0, 0.0]])
+    kl = T([[2.0, 3.0], [1.0, 7.0]])  # summed over real tokens: 5 and 1 (the padded 7 never counts)
+    adv, _ = advantages(estimator, T([[1.0, 1.0]]), mask, kl_BT=kl, kl_coef=0.5)
+    # rewards 1 - 2.5 = -1.5 and 1 - 0.5 = 0.5: the sample with more KL is the worse one
+    by_hand = group_advantages(T([[-1.5, 0.5]]), estimator)[0]
+    close(adv, [[float(by_hand[0])] * 2, [float(by_hand[1]), 0.0]])
+    assert by_hand[0] < 0 < by_hand[1]
 
 
 def test_gae_by_hand() -> None:

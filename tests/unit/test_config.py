@@ -73,6 +73,22 @@ def test_weights_synced_less_often_than_the_bound_allows_are_refused() -> None:
     assert load_config(["--async.max_staleness", "3", "--async.sync_every", "4"]).async_.sync_every == 4
 
 
+def test_a_kl_term_with_no_gradient_is_refused() -> None:
+    # k1 in the loss: its gradient is the score function, 0 in expectation
+    with pytest.raises(ConfigError, match=r"algo.kl.estimator k1 in the loss penalises nothing"):
+        load_config(["--algo.kl.coef", "0.1", "--algo.kl.estimator", "k1"])
+    assert load_config(["--algo.kl.coef", "0.1", "--algo.kl.estimator", "k1", "--algo.kl.in_reward", "true"])
+    assert load_config(["--algo.kl.estimator", "k1"])  # no KL at all (coef 0)
+
+
+@pytest.mark.parametrize("flag", [("--rollout.top_p", "0.9"), ("--rollout.top_k", "20")])
+def test_truncated_sampling_is_refused_for_training_rollouts(flag: tuple[str, str]) -> None:
+    # the generators' log-probabilities would be over the nucleus, the learner's over the vocabulary
+    with pytest.raises(ConfigError, match=r"Keep --rollout.top_p 1 and --rollout.top_k -1"):
+        load_config(list(flag))
+    assert load_config(["--rollout.top_k", "0"]).rollout.top_k == 0  # 0 is off, as in vLLM
+
+
 def test_bad_flags() -> None:
     with pytest.raises(ConfigError, match="needs a value"):
         parse_overrides(["--async.max_staleness"])

@@ -1,0 +1,82 @@
+"""Run by test_learner: one optimizer step on a fixed batch, at world size 1 (the whole batch) or
+2 (a group on each rank, run under torch.distributed.run), and print the step's gradient norm.
+The loss's normaliser is the step's over every rank, so both must read the same norm.
+
+    python -m tests.integration.norm_check MODEL REDIS_URL AGGREGATION
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+
+def fixed_groups() -> list[object]:
+    """Two groups of two samples: one of short answers (3 and 2 tokens), one of long ones (12, 9)."""
+    from flywheel.hub_client import RolloutGroup, RolloutSample
+
+    def sample(n: int, reward: float, start: int) -> RolloutSample:
+        return RolloutSample(
+            tokens=np.arange(start, start + n, dtype=np.int32),
+            logprobs=np.full(n, -3.0, dtype=np.float32),
+            versions=np.zeros(n, dtype=np.int32),
+            finish_reason="stop",
+            reward=reward,
+            reward_breakdown={},
+            reward_error=None,
+        )
+
+    def group(gid: int, lengths: tuple[int, int]) -> RolloutGroup:
+        return RolloutGroup(
+            group_id=gid,
+            version=0,
+            staleness=0,
+            prompt_index=gid,
+            prompt_tokens=np.arange(40 + gid, 45 + gid, dtype=np.int32),
+            metadata={},
+            samples=[sample(lengths[0], 1.0, 60), sample(lengths[1], 0.0, 90)],
+        )
+
+    return [group(0, (3, 2)), group(1, (12, 9))]
+
+
+def main() -> None:
+    model, redis_url, aggregation = sys.argv[1:4]
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "RANK" not in os.environ:
+        from flywheel.redis_server import free_port
+
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
+        os.environ["MASTER_PORT"] = str(free_port())
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    from flywheel.config import load_config
+    from flywheel.hub_client import Batch
+    from flywheel.redis_server import free_port
+    from learner.trainer import Trainer
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cfg = load_config(
+        [
+            "--redis.url", redis_url, "--train.model", model, "--train.lr", "1e-3",
+            "--train.micro_batch_tokens", "24", "--algo.loss.aggregation", aggregation,
+            "--async.groups_per_step", "2", "--data.n_samples_per_prompt", "2", "--rollout.max_tokens", "16",
+            "--sync.announce_port", str(free_port()), "--sync.join_port", str(free_port()), "--wandb.mode", "disabled",
+        ]
+    )  # fmt: skip
+    trainer = Trainer(cfg, rank, world)
+    groups = fixed_groups()
+    mine = groups if world == 1 else [groups[rank]]
+    stats = trainer.train_step(Batch(learner_version=0, groups=mine, dropped=0, wait_s=0.0))  # type: ignore[arg-type]
+    assert stats is not None
+    if rank == 0:
+        print(json.dumps({"grad_norm": stats.metrics["grad_norm"]}))
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()
