@@ -20,7 +20,7 @@ import numpy as np
 import redis
 import zmq
 
-from buffer.prompts import PromptSource
+from buffer.prompts import Prompt, PromptSource
 from buffer.state import ActiveLease, GeneratorInfo, OpenGroup, RewardWorker, SampleAssembly
 from buffer.stats import HubStats, RateMeter, RejectLog, SnapshotExchange, start_metrics_server
 from buffer.turn_write import TurnWrite
@@ -70,6 +70,7 @@ from flywheel.wire import (
 log = logging.getLogger(__name__)
 
 TICK_S = 0.005  # housekeeping period: expiry, dispatch
+SKIPS_PER_ISSUE = 64  # over-long prompts skipped in one try to issue a group (the next turn goes on)
 REFRESH_S = 0.05  # at most this long between reads of the learner's version / drops
 # Between scans for lapsed leases, silent generators and unanswered scores: each scan walks all
 # of them, and their timeouts are seconds, so scanning at every tick was pure cost at scale.
@@ -861,19 +862,26 @@ class Hub:
         return None if group is None else self._new_lease(group.meta.group_id, list(range(group.meta.n_samples)))
 
     def _issue_group(self) -> OpenGroup | None:
-        attempt = 0
-        if self.requeued_prompts:
-            (index, attempt), epoch = self.requeued_prompts.popleft(), self.epoch
-            self._pipe.lpop(self.keys.requeue)
-        else:
-            if self.source.exhausted(self.epoch):
-                return None
-            index, epoch = self.source.index_at(self.epoch, self.cursor), self.epoch
-            self.cursor += 1
-            if self.cursor >= len(self.source):
-                self.epoch, self.cursor = self.epoch + 1, 0
-            self._pipe.hset(self.keys.source, mapping={"epoch": self.epoch, "cursor": self.cursor})
-        prompt = self.source.prompt(index, epoch)
+        for _ in range(SKIPS_PER_ISSUE):  # bounded: a source of nothing but over-long prompts
+            attempt = 0
+            if self.requeued_prompts:
+                (index, attempt), epoch = self.requeued_prompts.popleft(), self.epoch
+                self._pipe.lpop(self.keys.requeue)
+            else:
+                if self.source.exhausted(self.epoch):
+                    return None
+                index, epoch = self.source.index_at(self.epoch, self.cursor), self.epoch
+                self.cursor += 1
+                if self.cursor >= len(self.source):
+                    self.epoch, self.cursor = self.epoch + 1, 0
+                self._pipe.hset(self.keys.source, mapping={"epoch": self.epoch, "cursor": self.cursor})
+            prompt = self.source.prompt(index, epoch)
+            if prompt is not None:
+                return self._open_group(prompt, attempt)
+        return None
+
+    def _open_group(self, prompt: Prompt, attempt: int) -> OpenGroup:
+        index, epoch = prompt.index, prompt.epoch
         gid = self.groups_issued
         self.groups_issued += 1
         n = self.cfg.data.n_samples_per_prompt
@@ -943,6 +951,7 @@ class Hub:
             "groups_issued": self.groups_issued,
             "groups_dropped": self.groups_dropped,
             "prompts_truncated": self.source.truncated,
+            "prompts_skipped": self.source.skipped,
             "peers_refused": refused_peers(),  # CURVE handshakes with an unauthorised key
         }
         gauges = {

@@ -97,6 +97,8 @@ class PromptSource:
         self.rows = rows
         self.tokenizer = tokenizer
         self.truncated = 0
+        self.skipped = 0  # rows found over data.max_prompt_tokens (data.overlong_prompts skip), once each
+        self._too_long: set[int] = set()
         # Tokenized prompts by row: every epoch and every re-queue of a prompt reuses them
         # (tokenizing was 2-4% of the hub's loop). Bounded, oldest out first.
         self._ids: dict[int, np.ndarray] = {}
@@ -125,17 +127,32 @@ class PromptSource:
     def index_at(self, epoch: int, cursor: int) -> int:
         return int(self.order(epoch)[cursor])
 
-    def prompt(self, index: int, epoch: int) -> Prompt:
+    def prompt(self, index: int, epoch: int) -> Prompt | None:
+        """The row's prompt, or None for one over ``max_prompt_tokens`` that is to be skipped."""
+        if index in self._too_long:
+            return None
         row = self.rows[index]
         ids = self._ids.get(index)
         if ids is None:
-            ids = self._ids[index] = self._tokenize(row)
+            tokenized = self._tokenize(row)
+            if tokenized is None:
+                self._too_long.add(index)
+                self.skipped += 1
+                if self.skipped <= 10 or self.skipped % 1000 == 0:
+                    log.warning(
+                        "prompt row %d is over data.max_prompt_tokens %d: skipped (%d so far; data.overlong_prompts)",
+                        index,
+                        self.cfg.max_prompt_tokens,
+                        self.skipped,
+                    )
+                return None
+            ids = self._ids[index] = tokenized
             if len(self._ids) > PROMPT_CACHE:
                 del self._ids[next(iter(self._ids))]
         meta: Metadata = {k: _scalar(row[k]) for k in self.cfg.metadata_keys if k in row}
         return Prompt(index, epoch, ids, meta)
 
-    def _tokenize(self, row: dict[str, Any]) -> np.ndarray:
+    def _tokenize(self, row: dict[str, Any]) -> np.ndarray | None:
         text = row[self.cfg.input_key]
         if self.cfg.apply_chat_template:
             messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
@@ -145,6 +162,8 @@ class PromptSource:
         else:
             ids = self.tokenizer(str(text), add_special_tokens=True)["input_ids"]
         if len(ids) > self.cfg.max_prompt_tokens:
+            if self.cfg.overlong_prompts == "skip":
+                return None
             self.truncated += 1
             ids = ids[-self.cfg.max_prompt_tokens :]
         out = np.asarray(ids, dtype=np.int32)

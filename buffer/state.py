@@ -81,7 +81,11 @@ class OpenGroup:
 
     @property
     def version(self) -> int:
-        return min(s.version for s in self.samples)
+        """The oldest token version of the group. A sample with no token (a prompt that left no
+        room to generate, an engine that stopped before the first token) has no version: counted
+        as 0, it made the group look η versions old and dropped it at every claim."""
+        versions = [s.version for s in self.samples if s.done is not None and s.done.n_tokens]
+        return min(versions) if versions else self.meta.issued_at_version
 
     def all_done(self) -> bool:
         return all(s.done is not None for s in self.samples)

@@ -125,7 +125,13 @@ class DataConfig(_Section):
         False, description="Format each prompt with the tokenizer's chat template before tokenizing."
     )
     max_prompt_tokens: int = Field(
-        1024, ge=1, le=1 << 20, description="Prompts longer than this are truncated from the left (and counted)."
+        1024, ge=1, le=1 << 20, description="Longest prompt, in tokens (chat template included): see overlong_prompts."
+    )
+    overlong_prompts: Literal["skip", "truncate_left"] = Field(
+        "skip",
+        description="A prompt longer than max_prompt_tokens is skipped (counted: prompts_skipped), or cut to its "
+        "last max_prompt_tokens tokens (prompts_truncated), which loses its start: the BOS token and the chat "
+        "template's header.",
     )
     epochs: int = Field(1, ge=1, le=100000, description="Passes over the prompt source.")
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded by data.seed and the epoch).")
@@ -811,6 +817,18 @@ class FlywheelConfig(_Section):
                 "distribution, whose log-probabilities the generators report, while the learner's are over the "
                 "whole vocabulary: every importance ratio would be off, on-policy too. Keep --rollout.top_p 1 "
                 "and --rollout.top_k -1 for training rollouts (temperature is matched on both sides)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _prompts_leave_room_to_answer(self) -> FlywheelConfig:
+        limit = self.generator.max_model_len
+        if limit is not None and self.data.max_prompt_tokens >= limit:
+            raise ValueError(
+                f"data.max_prompt_tokens {self.data.max_prompt_tokens} leaves no room for an answer within "
+                f"generator.max_model_len {limit}: lower --data.max_prompt_tokens (to at most "
+                f"{max(limit - self.rollout.max_tokens, 1)} for whole answers of rollout.max_tokens) "
+                "or raise --generator.max_model_len"
             )
         return self
 

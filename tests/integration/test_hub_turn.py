@@ -4,6 +4,7 @@ separate process can pin down: two things that happen in the same turn."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -232,3 +233,32 @@ def test_weights_older_than_the_claim_ahead_accepts_get_no_lease_and_a_first_tok
     t.send(Heartbeat(generator_id="gen", weight_version=1, lease_ids=[], draining=False))  # synced
     t.take()
     assert [m for m in t.end(Lease) if isinstance(m, Lease)]
+
+
+def test_an_over_long_prompt_is_skipped_and_the_next_one_leased(
+    redis_server: RedisServer, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """data.overlong_prompts skip: a prompt over data.max_prompt_tokens is not cut from the left
+    (its BOS and chat header lost): the hub skips it, counts it, and issues the next row."""
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "1 + 1 = " * 40, "answer": "2"}, {"prompt": "2 + 2 =", "answer": "4"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(
+        [
+            "--redis.url", redis_server.url,
+            "--data.path", str(data), "--data.tokenizer", str(tokenizer_dir), "--data.max_prompt_tokens", "32",
+            "--data.n_samples_per_prompt", "2", "--data.shuffle", "false",
+            "--hub.generator_port", "0", "--hub.reward_port", "0",
+        ]
+    )  # fmt: skip
+    hub = Hub(cfg, PromptSource.from_config(cfg.data), redis_server.client())
+    recovery.load(hub)
+    t = TurnByTurn(hub)
+    try:
+        lease = _leased(t)
+        assert hub.groups[lease.group_id].meta.prompt_index == 1
+        assert hub.snapshot()["counters"]["prompts_skipped"] == 1  # type: ignore[index]
+    finally:
+        t.close()
+        hub.gen_sock.close(linger=0)
+        hub.reward_sock.close(linger=0)

@@ -73,6 +73,12 @@ def test_weights_synced_less_often_than_the_bound_allows_are_refused() -> None:
     assert load_config(["--async.max_staleness", "3", "--async.sync_every", "4"]).async_.sync_every == 4
 
 
+def test_prompts_that_leave_no_room_to_answer_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"data.max_prompt_tokens 1024 leaves no room .* at most 768"):
+        load_config(["--generator.max_model_len", "1024"])
+    assert load_config(["--generator.max_model_len", "1024", "--data.max_prompt_tokens", "768"])
+
+
 def test_a_kl_term_with_no_gradient_is_refused() -> None:
     # k1 in the loss: its gradient is the score function, 0 in expectation
     with pytest.raises(ConfigError, match=r"algo.kl.estimator k1 in the loss penalises nothing"):

@@ -59,10 +59,20 @@ def test_tokenize_chat_template_truncation_metadata(sources: dict[str, Path], to
     )
     text = chat.tokenizer.decode(chat.prompt(0, 0).tokens.tolist())
     assert text.startswith("<s>user: " + ROWS[0]["prompt"]) and text.endswith("assistant:")
-    short = PromptSource.from_config(
+    cut = PromptSource.from_config(
+        DataConfig(
+            path=str(sources["jsonl"]),
+            tokenizer=str(tokenizer_dir),
+            max_prompt_tokens=3,
+            overlong_prompts="truncate_left",
+        )
+    )
+    assert len(cut.prompt(0, 0).tokens) == 3 and cut.truncated == 1  # type: ignore[union-attr]
+    # by default an over-long prompt is skipped, not cut (that would lose its BOS and the chat header)
+    skipping = PromptSource.from_config(
         DataConfig(path=str(sources["jsonl"]), tokenizer=str(tokenizer_dir), max_prompt_tokens=3)
     )
-    assert len(short.prompt(0, 0).tokens) == 3 and short.truncated == 1
+    assert skipping.prompt(0, 0) is None and skipping.prompt(0, 1) is None and skipping.skipped == 1
 
 
 def test_each_prompt_is_tokenized_once_and_the_cache_is_bounded(
