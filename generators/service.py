@@ -29,6 +29,7 @@ from generators.sync_link import SyncLink
 log = logging.getLogger(__name__)
 
 MIN_LOGPROB = -1e9  # -inf (a token the processed distribution excludes) travels as this finite floor
+ENGINE_ERROR_RETRIES = 2  # a request vLLM ends with "error" goes on from its partial tokens this many times
 
 
 @dataclass
@@ -217,7 +218,7 @@ class GeneratorService:
 
         lease, sp = run.lease, run.lease.sampling
         prompt = unpack_i32(lease.prompt_tokens).tolist()
-        attempt = 0
+        attempt = errors = 0
         while True:
             await self._resumed.wait()
             max_new = min(sp.max_tokens - len(run.tokens), self.max_model_len - len(prompt) - len(run.tokens))
@@ -255,6 +256,16 @@ class GeneratorService:
             if finish == "abort" and self._interrupts != interrupts_before:
                 attempt += 1  # aborted by an interrupt-policy update: go on from the partial tokens
                 continue
+            if finish not in FINISH_REASONS and errors < ENGINE_ERROR_RETRIES:
+                # vLLM's "error" is a retryable request-level failure (a KV-cache load, say); a
+                # stream that ends with no reason is one too: go on from the partial tokens
+                errors += 1
+                attempt += 1
+                log.warning(
+                    "request %s ended with %r: going on from its %d tokens", request_id, finish, len(run.tokens)
+                )
+                continue
+            # what is still unfinished ends as "abort": scored, but the learner gives it no gradient
             run.finish = finish if finish in FINISH_REASONS else "abort"
             return
 

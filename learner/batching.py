@@ -30,6 +30,7 @@ class Sequence:
     reward: float
     group: int  # index of its group in the batch
     staleness: int
+    aborted: bool = False  # cut off by the engine (finish "abort"), not ended by the policy or the budget
 
 
 def sequences(batch: Batch) -> tuple[list[Sequence], torch.Tensor]:
@@ -48,6 +49,7 @@ def sequences(batch: Batch) -> tuple[list[Sequence], torch.Tensor]:
                     reward=float(s.reward),
                     group=g,
                     staleness=group.staleness,
+                    aborted=s.finish_reason == "abort",
                 )
             )
             row.append(float(s.reward))

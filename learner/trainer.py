@@ -398,6 +398,10 @@ class Trainer:
             gamma=self.cfg.algo.advantage.gamma,
             lam=self.cfg.algo.advantage.lam,
         )
+        aborted = torch.tensor([s.aborted for s in seqs], dtype=torch.bool)
+        if aborted.any():  # its end is the engine's, not the policy's: in its group's baseline, no gradient
+            adv[aborted] = 0.0
+        stats.metrics["batch/aborted"] = float(aborted.sum())
         norms = self._step_norms(resp_mask, has_signal, apply)
         self._optimize(seqs, mbs, staged, weights, adv, prox, ref, resp_mask, norms, stats, apply)
         if self.critic is not None:

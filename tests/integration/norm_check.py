@@ -2,7 +2,10 @@
 2 (a group on each rank, run under torch.distributed.run), and print the step's gradient norm.
 The loss's normaliser is the step's over every rank, so both must read the same norm.
 
-    python -m tests.integration.norm_check MODEL REDIS_URL AGGREGATION
+    python -m tests.integration.norm_check MODEL REDIS_URL AGGREGATION [FINISH]
+
+FINISH (default stop) is every sample's finish reason: with ``abort`` (cut off by the engine) no
+sample may give a gradient.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import sys
 import numpy as np
 
 
-def fixed_groups() -> list[object]:
+def fixed_groups(finish: str) -> list[object]:
     """Two groups of two samples: one of short answers (3 and 2 tokens), one of long ones (12, 9)."""
     from flywheel.hub_client import RolloutGroup, RolloutSample
 
@@ -23,7 +26,7 @@ def fixed_groups() -> list[object]:
             tokens=np.arange(start, start + n, dtype=np.int32),
             logprobs=np.full(n, -3.0, dtype=np.float32),
             versions=np.zeros(n, dtype=np.int32),
-            finish_reason="stop",
+            finish_reason=finish,
             reward=reward,
             reward_breakdown={},
             reward_error=None,
@@ -45,6 +48,7 @@ def fixed_groups() -> list[object]:
 
 def main() -> None:
     model, redis_url, aggregation = sys.argv[1:4]
+    finish = sys.argv[4] if len(sys.argv) > 4 else "stop"
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "RANK" not in os.environ:
         from flywheel.redis_server import free_port
@@ -69,12 +73,12 @@ def main() -> None:
         ]
     )  # fmt: skip
     trainer = Trainer(cfg, rank, world)
-    groups = fixed_groups()
+    groups = fixed_groups(finish)
     mine = groups if world == 1 else [groups[rank]]
     stats = trainer.train_step(Batch(learner_version=0, groups=mine, dropped=0, wait_s=0.0))  # type: ignore[arg-type]
     assert stats is not None
     if rank == 0:
-        print(json.dumps({"grad_norm": stats.metrics["grad_norm"]}))
+        print(json.dumps({"grad_norm": stats.metrics["grad_norm"], "aborted": stats.metrics["batch/aborted"]}))
     trainer.close()
 
 

@@ -283,6 +283,23 @@ def test_learner_weights_reach_a_vllm_generator(cluster: Cluster, checkpoint_dir
     wait_until(lambda: gen.alive(), 1, "generator alive")
 
 
+def norm_check(checkpoint_dir: Path, redis_url: str, world: int, aggregation: str, finish: str = "stop") -> dict:
+    """``tests/integration/norm_check.py``: one step on a fixed batch; its gradient norm."""
+    script = ["-m", "tests.integration.norm_check", str(checkpoint_dir), redis_url, aggregation, finish]
+    if world == 2:
+        script = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), *script]
+    out = subprocess.run(
+        [sys.executable, *script],
+        cwd=ROOT,
+        env={**dict(__import__("os").environ), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum_norm"])
 def test_two_ranks_take_the_same_step_as_one_rank_on_the_whole_batch(
     redis_server: RedisServer, checkpoint_dir: Path, aggregation: str
@@ -291,29 +308,13 @@ def test_two_ranks_take_the_same_step_as_one_rank_on_the_whole_batch(
     ranks' gradients, so each rank divides by the step's totals over both (it divided by its own,
     weighing a short answer's token 4× a long one's), and Dr. GRPO's token sum by the generation
     budget (it divided by each rank's longest answer). The step's gradient matches one rank's."""
-
-    def grad_norm(world: int) -> float:
-        script = ["-m", "tests.integration.norm_check", str(checkpoint_dir), redis_server.url, aggregation]
-        if world == 2:
-            script = [
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                "2",
-                "--master_port",
-                str(free_port()),
-                *script,
-            ]
-        out = subprocess.run(
-            [sys.executable, *script],
-            cwd=ROOT,
-            env={**dict(__import__("os").environ), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        return float(json.loads(out.stdout.strip().splitlines()[-1])["grad_norm"])
-
-    one, two = grad_norm(1), grad_norm(2)
+    one = norm_check(checkpoint_dir, redis_server.url, 1, aggregation)["grad_norm"]
+    two = norm_check(checkpoint_dir, redis_server.url, 2, aggregation)["grad_norm"]
     assert one > 0 and two == pytest.approx(one, rel=1e-4)
+
+
+def test_samples_the_engine_cut_off_give_no_gradient(redis_server: RedisServer, checkpoint_dir: Path) -> None:
+    """A sample whose end is the engine's (finish "abort") is no answer of the policy's: it stays in
+    its group's baseline but gets no advantage. A batch of nothing else gives no gradient."""
+    result = norm_check(checkpoint_dir, redis_server.url, 1, "token_mean", "abort")
+    assert result["aborted"] == 4 and result["grad_norm"] == 0.0
