@@ -90,6 +90,7 @@ class Hub:
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             top_k=cfg.rollout.top_k,
+            seed=cfg.rollout.seed,
         )
         self.stats = HubStats()
         self.snapshots = SnapshotExchange(self.snapshot)  # /metrics reads the stats through the loop

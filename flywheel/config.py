@@ -154,6 +154,13 @@ class RolloutConfig(_Section):
         "are over the whole vocabulary.",
     )
     top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 (or 0) disables it, as training rollouts need.")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        description="Seeded sampling: each request's seed derived from this, its group, sample and attempt, so a "
+        "run's rollouts repeat whatever generator takes them. Unset: the engine's RNG (faster: vLLM samples "
+        "seeded requests one by one).",
+    )
 
 
 class AsyncConfig(_Section):
@@ -386,7 +393,7 @@ class GeneratorConfig(_Section):
     )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs / compilation (faster start, slower decode).")
     max_num_seqs: int = Field(256, ge=1, le=65536, description="Sequences vLLM batches at once.")
-    seed: int = Field(0, ge=0, description="Engine seed; each request also gets a seed derived from its group.")
+    seed: int = Field(0, ge=0, description="Engine seed (the sampling RNG of requests without a seed: rollout.seed).")
     flush_interval_ms: float = Field(
         20.0, gt=0, le=10000, description="New tokens are streamed to the hub as chunks at this interval."
     )

@@ -4,6 +4,7 @@ separate process can pin down: two things that happen in the same turn."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -235,6 +236,27 @@ def test_weights_older_than_the_claim_ahead_accepts_get_no_lease_and_a_first_tok
     assert [m for m in t.end(Lease) if isinstance(m, Lease)]
 
 
+@contextlib.contextmanager
+def _own_hub(redis_server: RedisServer, tokenizer_dir: Path, data: Path, *flags: str) -> Iterator[TurnByTurn]:
+    """A hub of this test's own settings, and a generator socket to it."""
+    cfg = load_config(
+        [
+            "--redis.url", redis_server.url, "--data.path", str(data), "--data.tokenizer", str(tokenizer_dir),
+            "--data.n_samples_per_prompt", "2", "--data.shuffle", "false",
+            "--hub.generator_port", "0", "--hub.reward_port", "0", *flags,
+        ]
+    )  # fmt: skip
+    hub = Hub(cfg, PromptSource.from_config(cfg.data), redis_server.client())
+    recovery.load(hub)
+    t = TurnByTurn(hub)
+    try:
+        yield t
+    finally:
+        t.close()
+        hub.gen_sock.close(linger=0)
+        hub.reward_sock.close(linger=0)
+
+
 def test_an_over_long_prompt_is_skipped_and_the_next_one_leased(
     redis_server: RedisServer, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
@@ -243,22 +265,16 @@ def test_an_over_long_prompt_is_skipped_and_the_next_one_leased(
     data = tmp_path / "prompts.jsonl"
     rows = [{"prompt": "1 + 1 = " * 40, "answer": "2"}, {"prompt": "2 + 2 =", "answer": "4"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(
-        [
-            "--redis.url", redis_server.url,
-            "--data.path", str(data), "--data.tokenizer", str(tokenizer_dir), "--data.max_prompt_tokens", "32",
-            "--data.n_samples_per_prompt", "2", "--data.shuffle", "false",
-            "--hub.generator_port", "0", "--hub.reward_port", "0",
-        ]
-    )  # fmt: skip
-    hub = Hub(cfg, PromptSource.from_config(cfg.data), redis_server.client())
-    recovery.load(hub)
-    t = TurnByTurn(hub)
-    try:
+    with _own_hub(redis_server, tokenizer_dir, data, "--data.max_prompt_tokens", "32") as t:
         lease = _leased(t)
-        assert hub.groups[lease.group_id].meta.prompt_index == 1
-        assert hub.snapshot()["counters"]["prompts_skipped"] == 1  # type: ignore[index]
-    finally:
-        t.close()
-        hub.gen_sock.close(linger=0)
-        hub.reward_sock.close(linger=0)
+        assert t.hub.groups[lease.group_id].meta.prompt_index == 1
+        assert t.hub.snapshot()["counters"]["prompts_skipped"] == 1  # type: ignore[index]
+
+
+def test_leases_carry_the_runs_sampling_seed(
+    redis_server: RedisServer, tokenizer_dir: Path, prompts_jsonl: Path
+) -> None:
+    """rollout.seed reaches the generators (each derives its requests' seeds from it); it was
+    never set, so no run's rollouts could be repeated."""
+    with _own_hub(redis_server, tokenizer_dir, prompts_jsonl, "--rollout.seed", "7") as t:
+        assert _leased(t).sampling.seed == 7
