@@ -456,7 +456,7 @@ class Hub:
                 reason, f"chunk (group {c.group_id}, sample {c.sample}, seq {c.seq}, lease {c.lease_id})", identity
             )
         self._rejections[identity].append(
-            ChunkRejection(group_id=c.group_id, sample=c.sample, seq=c.seq, reason=reason)
+            ChunkRejection(group_id=c.group_id, sample=c.sample, seq=c.seq, reason=reason, lease_id=c.lease_id)
         )
 
     def _complete_sample(self, group: OpenGroup, index: int, lease: ActiveLease) -> None:
@@ -741,14 +741,16 @@ class Hub:
         chunks = self._turn_chunks.pop(gid, None)
         if not chunks:
             return
-        refused = {(c.sample, c.seq) for c in chunks}
+        refused = {(c.sample, c.seq): c.lease_id for c in chunks}
         for identity, acked in self._acks.items():
             kept: list[int] = []
             for i in range(0, len(acked), 3):
                 g, sample, seq = acked[i : i + 3]
                 if g == gid and (sample, seq) in refused:
                     self._rejections[identity].append(
-                        ChunkRejection(group_id=g, sample=sample, seq=seq, reason="revoked_lease")
+                        ChunkRejection(
+                            group_id=g, sample=sample, seq=seq, reason="revoked_lease", lease_id=refused[(sample, seq)]
+                        )
                     )
                 else:
                     kept += (g, sample, seq)

@@ -291,6 +291,9 @@ class ChunkRejection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, g
     sample: int
     seq: int
     reason: str  # e.g. "unknown_lease": stop resending this chunk
+    # the chunk's lease: (group, sample, seq) alone names a chunk of a re-issued sample's new lease
+    # as well as its old one's (seqs restart at 0); -1 from a hub that does not say
+    lease_id: int = -1
 
 
 # Rejection reasons that say the chunk's lease is no longer its generator's (revoked, expired,

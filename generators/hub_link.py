@@ -23,6 +23,7 @@ from flywheel.wire import (
     Chunk,
     ChunkAck,
     ChunkBatch,
+    ChunkRejection,
     Decoder,
     Heartbeat,
     Lease,
@@ -236,23 +237,13 @@ class HubLink:
                 if entries:
                     self._note_acked(entries, inbox)
                 for rej in msg.rejected:
-                    entry = self.unacked.pop((rej.group_id, rej.sample, rej.seq), None)
-                    if entry is None:
-                        continue
-                    inbox.rejected += 1
-                    log.debug("hub rejected chunk %s: %s", (rej.group_id, rej.sample, rej.seq), rej.reason)
-                    lease_id = entry[0].lease_id
-                    if rej.reason in LEASE_GONE_REASONS and lease_id in self.lease_ids:
-                        # its Revoke was lost, dropped at the hub's high-water mark, or never sent
-                        # (a re-issue after a re-registration): stop spending slots on it
-                        log.info("the hub no longer counts lease %d as ours (%s): dropping it", lease_id, rej.reason)
-                        self.lease_ids.discard(lease_id)
-                        inbox.revoked.append(lease_id)
+                    self._on_rejected(rej, inbox)
             elif isinstance(msg, Lease):
                 self.lease_ids.add(msg.lease_id)
                 inbox.leases.append(msg)
             elif isinstance(msg, Revoke):
                 self.lease_ids.difference_update(msg.lease_ids)
+                self.forget_chunks(msg.lease_ids)
                 inbox.revoked.extend(msg.lease_ids)
             elif isinstance(msg, RegisterAgain) and time.monotonic() - self._registered_at > 2 * self.heartbeat_s:
                 # (a RegisterAgain answering a heartbeat sent before our last Register is stale)
@@ -264,8 +255,36 @@ class HubLink:
                 self.lease_ids.clear()
                 self.register(self.weight_version)
 
+    def _on_rejected(self, rej: ChunkRejection, inbox: Inbox) -> None:
+        """A chunk the hub refused for good: not resent; and if the hub says its lease is no
+        longer ours, the lease is dropped as a Revoke would drop it (the Revoke was lost, dropped
+        at the hub's high-water mark, or never sent: a re-issue after a re-registration)."""
+        key = (rej.group_id, rej.sample, rej.seq)
+        entry = self.unacked.get(key)
+        lease_id = rej.lease_id if rej.lease_id >= 0 else (None if entry is None else entry[0].lease_id)
+        if entry is not None and entry[0].lease_id == lease_id:  # (else: the same sample's newer lease's)
+            del self.unacked[key]
+            inbox.rejected += 1
+            log.debug("hub rejected chunk %s of lease %s: %s", key, lease_id, rej.reason)
+        if rej.reason in LEASE_GONE_REASONS and lease_id in self.lease_ids:
+            log.info("the hub no longer counts lease %d as ours (%s): dropping it", lease_id, rej.reason)
+            self.lease_ids.discard(lease_id)
+            self.forget_chunks([lease_id])
+            inbox.revoked.append(lease_id)
+
     def lease_done(self, lease_id: int) -> None:
         self.lease_ids.discard(lease_id)
+
+    def forget_chunks(self, lease_ids: list[int]) -> int:
+        """Stop resending revoked leases' chunks: the hub refuses them for good (and a rejection of
+        one could only meet the same sample's chunk of a newer lease)."""
+        if not lease_ids or not self.unacked:
+            return 0
+        dead = set(lease_ids)
+        gone = [key for key, (c, _, _) in self.unacked.items() if c.lease_id in dead]
+        for key in gone:
+            del self.unacked[key]
+        return len(gone)
 
     def release(self, lease_ids: list[int]) -> None:
         """Give leases back unfinished; the hub re-issues their unfinished samples to others."""

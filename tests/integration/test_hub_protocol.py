@@ -12,7 +12,7 @@ import zmq
 from flywheel.hub_client import BatchClient
 from flywheel.staleness import StalenessPolicy
 from flywheel.store import RunKeys
-from flywheel.wire import Release, Score, encode, pack_f32
+from flywheel.wire import ChunkBatch, Release, Score, encode, pack_f32
 from tests.conftest import Cluster, wait_until
 from tests.integration.handgen import HandGenerator, expected_sample, make_chunk
 
@@ -181,6 +181,28 @@ def test_a_lease_the_hub_took_back_without_a_revoke_is_dropped_at_its_first_reje
     pump_until(g, lambda: g.rejected == 1, "the old lease's chunk rejected")
     assert lease.lease_id in g.revoked and lease.lease_id not in g.link.lease_ids
     assert rejected(cluster, "unknown_lease") == 1
+    g.close()
+
+
+def test_a_rejected_chunk_of_a_samples_old_lease_leaves_its_new_lease_alone(cluster: Cluster) -> None:
+    """A sample re-issued to the same generator restarts at seq 0 under a new lease, so a chunk of
+    the old lease and one of the new share (group, sample, seq). The old one's rejection used to
+    take the new one's place in the resend map and drop the new lease as gone."""
+    cluster.start_hub("--data.n_samples_per_prompt", "2", "--async.groups_per_step", "1", "--async.max_staleness", "0")
+    g = HandGenerator(cluster.gen_address, "gen-again", capacity=1)
+    g.register()
+    old = g.wait_lease()
+    g.register()  # the hub re-issues the group's samples to us under a new lease (no Revoke)
+    new = g.wait_lease()
+    assert (new.group_id, new.lease_id) == (old.group_id, old.lease_id + 1)
+    # the new lease's seq 1 in flight (sent, not yet acknowledged), and the old lease's seq 1 resent
+    ours = make_chunk(new, 0, 1, 0, final=False)
+    g.link.unacked[(ours.group_id, ours.sample, ours.seq)] = (ours, time.monotonic(), False)
+    g.link.sock.send(encode(ChunkBatch(generator_id="gen-again", chunks=[make_chunk(old, 0, 1, 0, final=False)])))
+    wait_until(lambda: rejected(cluster, "unknown_lease") == 1, 15, "the old lease's chunk rejected")
+    pump_until(g, lambda: old.lease_id in g.revoked, "the old lease dropped at its chunk's rejection")
+    assert new.lease_id in g.link.lease_ids and new.lease_id not in g.revoked, "the new lease was dropped"
+    assert (ours.group_id, ours.sample, ours.seq) in g.link.unacked
     g.close()
 
 
