@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from generators.sync_link import SyncLink
 log = logging.getLogger(__name__)
 
 MIN_LOGPROB = -1e9  # -inf (a token the processed distribution excludes) travels as this finite floor
+ENGINE_CALL_TIMEOUT_S = 120.0  # an engine's pause, cache reset or resume in a weight update
 ENGINE_ERROR_RETRIES = 2  # a request vLLM ends with "error" goes on from its partial tokens this many times
 
 
@@ -305,7 +307,9 @@ class GeneratorService:
             now = time.perf_counter()
             phases[name], mark = now - mark, now
 
-        await self.engine.pause_generation(mode="abort" if interrupt else "keep", clear_cache=False)
+        await self._engine_call(
+            self.engine.pause_generation(mode="abort" if interrupt else "keep", clear_cache=False), "pause"
+        )
         lap("pause")
         try:
             await self._quiesce()
@@ -316,13 +320,23 @@ class GeneratorService:
             if error is None:
                 self.version = ready.version
             # Cached KV (prefix cache and running requests) came from the old weights: recompute it.
-            await self.engine.reset_prefix_cache(reset_running_requests=True)
+            await self._engine_call(self.engine.reset_prefix_cache(reset_running_requests=True), "reset its cache")
             lap("reset")
         finally:
-            await self.engine.resume_generation()
+            await self._engine_call(self.engine.resume_generation(), "resume")
             lap("resume")
             self._resumed.set()
         return self._after_update(ready, error, touched, start, phases)
+
+    @staticmethod
+    async def _engine_call(call: Awaitable[object], what: str) -> None:
+        """An engine call of a weight update, with a timeout: one queued behind a stuck load (on
+        NCCL nothing else bounds it) would stall the update, and every sync after it, for good.
+        Past it, the generator fails (its supervisor restarts it) rather than serve half-paused."""
+        try:
+            await asyncio.wait_for(call, timeout=ENGINE_CALL_TIMEOUT_S)
+        except TimeoutError:
+            raise RuntimeError(f"the engine did not {what} within {ENGINE_CALL_TIMEOUT_S:g}s") from None
 
     async def _load(self, ready: WeightsReady, raw: bytes) -> tuple[str | None, bool]:
         first_rank = ready.ranks[self.generator_id]

@@ -53,6 +53,12 @@ class WeightReceiverExtension:
                     failed.append(err)
 
             self.model_runner.reload_weights(weights_iterator=stream())  # type: ignore[attr-defined]
+            if ready.transport == "nccl":
+                # NCCL's wait() orders the device stream, it does not block this thread: without
+                # this the ack would go out before the bytes are in (and miss a late NCCL error)
+                import torch
+
+                torch.cuda.synchronize(self.device)  # type: ignore[attr-defined]
             if failed:
                 raise failed[0]
             expected = sum(len(b.names) for b in ready.buckets)
