@@ -696,6 +696,14 @@ class LaunchConfig(_Section):
         description="How long a restart counts against launch.max_restarts: crashes that far apart, over a run of "
         "days, do not add up to its end.",
     )
+    restart_backoff_s: float = Field(
+        2.0,
+        ge=0,
+        le=3600,
+        description="A service that crashes within a minute of its last restart waits this long before the next "
+        "one, doubled for each such crash in a row (at most 5 minutes); a first crash, or one after a minute up, "
+        "restarts at once. 0: no wait.",
+    )
     display: bool = Field(True, description="Live progress display (off: one log line every few seconds).")
     ray_address: str | None = Field(None, description="Ray cluster address for launcher ray (unset: a local Ray).")
     cpus_per_service: float = Field(1.0, ge=0, le=1024, description="Ray: CPUs reserved for each service.")

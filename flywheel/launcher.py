@@ -57,6 +57,8 @@ STANDBY_LEARNER = "learner_standby"  # the service name of the standby learner (
 # After a standby learner took over, its successor starts this much later: its imports take seconds
 # of CPU that the new learner's first steps need more (measured: a 1 s step took 3.5 s beside them).
 STANDBY_LEARNER_DELAY_S = 30.0
+MAX_RESTART_BACKOFF_S = 300.0  # the longest wait launch.restart_backoff_s doubles up to
+STABLE_UPTIME_S = 60.0  # a service up this long after its restart was not failing at start-up
 
 
 class ServiceFailed(RuntimeError):
@@ -170,6 +172,8 @@ class LocalLaunch:
         self.recipes: dict[str, tuple[str, list[str], dict[str, str] | None]] = {}  # how to start it again
         self.restarts: Counter[str] = Counter()
         self.restart_times: defaultdict[str, deque[float]] = defaultdict(deque)  # within the restart window
+        self.restart_due: dict[str, float] = {}  # a dead service's next restart, once its back-off is over
+        self.quick_crashes: Counter[str] = Counter()  # crashes in a row soon after a restart (_backed_off)
 
     # ------------------------------------------------------------------ the run
 
@@ -590,7 +594,7 @@ class LocalLaunch:
     def _check_alive(self) -> ServiceHandle | None:
         """Restart (or raise for) a service that died; return the learner once it finished cleanly."""
         code = self._redis_died()
-        if code is not None:  # first: the hub and the learner need it
+        if code is not None and self._backed_off("redis", "redis-server", code):  # first: everything needs it
             if not self.cfg.launch.restart or not self._may_restart("redis"):
                 raise RuntimeError(f"redis-server exited with code {code}; see {self.run_dir / 'redis'}")
             self._note_restart("redis")
@@ -620,6 +624,30 @@ class LocalLaunch:
             recent.popleft()
         return len(recent) < la.max_restarts
 
+    def _backed_off(self, key: str, name: str, code: int | None) -> bool:
+        """Whether ``key``'s back-off is over. A service that crashes within ``STABLE_UPTIME_S`` of
+        its last restart waits ``launch.restart_backoff_s`` first, doubled for each such crash in a
+        row (one failing at start-up spent its restarts within seconds, before whatever it needed
+        had a chance to come back); one that ran longer, or its first crash, restarts at once."""
+        now = time.monotonic()
+        due = self.restart_due.get(key)
+        if due is None:
+            recent = self.restart_times[key]
+            backoff = self.cfg.launch.restart_backoff_s
+            if not recent or now - recent[-1] >= STABLE_UPTIME_S or backoff == 0:
+                self.quick_crashes[key] = 0
+                return True
+            self.quick_crashes[key] += 1
+            delay = min(backoff * 2 ** (self.quick_crashes[key] - 1), MAX_RESTART_BACKOFF_S)
+            self.restart_due[key] = due = now + delay
+            self.console.print(
+                f"[yellow]{name} exited with code {code} again, soon after its restart: restart in {delay:g}s"
+            )
+        if now < due:
+            return False
+        del self.restart_due[key]
+        return True
+
     def _note_restart(self, key: str) -> None:
         self.restarts[key] += 1  # all of the run's (reported); restart_times holds the recent ones
         self.restart_times[key].append(time.monotonic())
@@ -633,12 +661,16 @@ class LocalLaunch:
             raise ServiceFailed(
                 svc, f"exited with code {code} after {la.max_restarts} restarts within {la.restart_window_s:g}s"
             )
+        svc.stop(timeout_s=5)  # whatever of its process group is left (vLLM's engine core) goes too
+        # a loaded spare or standby takes the place at once; a restart in place backs off
+        taken_over = (svc.name.startswith("generator") and self._promote_spare(svc)) or (
+            svc.name == "learner" and self._promote_standby_learner(svc)
+        )
+        if not taken_over and not self._backed_off(key, svc.name, code):
+            return  # looked at again at the next check
         self._note_restart(key)
         self.console.print(f"[yellow]{svc.name} exited with code {code}: restart {self.restarts[key]}")
-        svc.stop(timeout_s=5)  # whatever of its process group is left (vLLM's engine core) goes too
-        if svc.name.startswith("generator") and self._promote_spare(svc):
-            return
-        if svc.name == "learner" and self._promote_standby_learner(svc):
+        if taken_over:
             return
         if svc.name == STANDBY_LEARNER:
             self.services.remove(svc)

@@ -319,7 +319,12 @@ def test_restarts_count_against_the_budget_only_within_the_window(
     from flywheel.launcher import ServiceFailed
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    launch = _launch(tmp_path, monkeypatch, [], "--launch.max_restarts", "2", "--launch.restart_window_s", "3600")
+    launch = _launch(
+        tmp_path,
+        monkeypatch,
+        [],
+        *("--launch.max_restarts", "2", "--launch.restart_window_s", "3600", "--launch.restart_backoff_s", "0"),
+    )
     monkeypatch.setattr(launcher, "Service", FakeProcess)
     gen = launch._start_generator(0)
     launch.generators = [gen]
@@ -339,3 +344,32 @@ def test_restarts_count_against_the_budget_only_within_the_window(
     with pytest.raises(ServiceFailed, match="after 2 restarts within 3600s"):
         launch._restart(gen)  # the third within the hour
     assert launch.restarts["generator0"] == 4  # the run's total, as reported
+
+
+def test_a_service_crashing_again_waits_a_doubling_back_off_before_its_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first restart is at once; a crash soon after a restart waits launch.restart_backoff_s,
+    doubled for each in a row: a service failing at start-up no longer spends its restarts in
+    seconds. A crash after a minute up restarts at once again."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    launch = _launch(tmp_path, monkeypatch, [], "--launch.max_restarts", "5", "--launch.restart_backoff_s", "0.3")
+    monkeypatch.setattr(launcher, "Service", FakeProcess)
+    launch.generators = [launch._start_generator(0)]
+
+    def crash_and_restart() -> float:
+        """Seconds from the crash to the restart, _restart called as the watch loop calls it."""
+        dead = launch.generators[0]
+        dead.code = -9
+        crashed = time.monotonic()
+        while launch.generators[0] is dead:
+            assert time.monotonic() - crashed < 10, "never restarted"
+            launch._restart(dead)
+            time.sleep(0.02)
+        return time.monotonic() - crashed
+
+    waits = [crash_and_restart() for _ in range(3)]
+    assert waits[0] < 0.1 and 0.3 <= waits[1] < 0.55 and 0.6 <= waits[2] < 0.9, waits
+    launch.restart_times["generator0"] = deque(t - 61 for t in launch.restart_times["generator0"])  # up a minute
+    assert crash_and_restart() < 0.1
+    assert launch.restarts["generator0"] == 4
