@@ -12,6 +12,8 @@ own forward).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -26,6 +28,7 @@ Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_n
 KLEstimator = Literal["k1", "k2", "k3"]
 ESTIMATORS: tuple[str, ...] = Estimator.__args__  # type: ignore[attr-defined]
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+SumReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the data-parallel ranks
 
 
 # --------------------------------------------------------------------------- rewards and advantages
@@ -72,12 +75,22 @@ def discounted_returns(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: f
     return out * mask_BT
 
 
-def whiten(values_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Normalise over every real token of the batch (REINFORCE++'s global normalisation)."""
-    n = mask_BT.sum()
-    mean = (values_BT * mask_BT).sum() / n
-    var = (((values_BT - mean) * mask_BT) ** 2).sum() / n
-    return (values_BT - mean) / torch.sqrt(var + eps) * mask_BT
+def whiten(
+    values_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8, reduce: SumReduce | None = None
+) -> torch.Tensor:
+    """Normalise over every real token of the batch (REINFORCE++'s global normalisation).
+
+    ``reduce`` sums a tensor over the data-parallel ranks: the mean and variance are then the
+    whole step's, not each rank's share of it."""
+    masked = values_BT.double() * mask_BT
+    sums = torch.stack([mask_BT.sum().double(), masked.sum(), (masked * values_BT.double()).sum()])
+    if reduce is not None:
+        sums = reduce(sums)
+    n, total, squares = sums.tolist()
+    n = max(n, 1.0)
+    mean = total / n
+    var = max(squares / n - mean * mean, 0.0)
+    return ((values_BT - mean) / math.sqrt(var + eps) * mask_BT).float()
 
 
 def gae(
@@ -105,12 +118,15 @@ def advantages(
     kl_coef: float = 0.0,
     gamma: float = 1.0,
     lam: float = 0.95,
+    reduce: SumReduce | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token advantages for any estimator (sequences in group order: B = G * N).
 
     With ``kl_BT`` and ``kl_coef`` (KL in the reward), the token estimators take the KL on every
     token's reward; the group estimators, which see one reward per sample, take each sample's
     reward less ``kl_coef`` times its summed KL (verl's outcome form of the same penalty).
+
+    ``reduce`` (sums over the data-parallel ranks) makes reinforce_pp's whitening the whole step's.
 
     Returns (advantages_BT, returns_BT for the critic or None).
     """
@@ -124,7 +140,7 @@ def advantages(
         if estimator == "reinforce_pp_baseline":
             rewards_B = group_advantages(rewards_GN, estimator).reshape(-1)
         returns = discounted_returns(token_rewards(rewards_B, mask_BT, kl_BT, kl_coef), mask_BT, gamma)
-        return whiten(returns, mask_BT), None
+        return whiten(returns, mask_BT, reduce=reduce), None
     if estimator == "gae":
         if values_BT is None:
             raise ValueError("gae needs a critic: set algo.critic.enabled true (or pick a critic-free estimator)")

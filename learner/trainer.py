@@ -397,6 +397,7 @@ class Trainer:
             kl_coef=self.cfg.algo.kl.coef if kl_ref is not None else 0.0,
             gamma=self.cfg.algo.advantage.gamma,
             lam=self.cfg.algo.advantage.lam,
+            reduce=self._sum_over_ranks(has_signal) if (self.world > 1 and apply) else None,
         )
         aborted = torch.tensor([s.aborted for s in seqs], dtype=torch.bool)
         if aborted.any():  # its end is the engine's, not the policy's: in its group's baseline, no gradient
@@ -440,6 +441,18 @@ class Trainer:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
             tokens, seqs = (float(x) / self.world for x in t.tolist())
         return max(tokens, 1.0), max(seqs, 1.0)
+
+    def _sum_over_ranks(self, has_signal: bool) -> algos.SumReduce:
+        """Sums over the data-parallel ranks, of what this rank holds (nothing, when it trains only
+        zero-weight stand-ins because every group of its share was filtered out)."""
+        import torch.distributed as dist
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            mine = (t if has_signal else torch.zeros_like(t)).to(self.device)
+            dist.all_reduce(mine, op=dist.ReduceOp.SUM)
+            return mine.cpu()
+
+        return reduce
 
     def _agree_max(self, value: int) -> int:
         """The largest ``value`` over the data-parallel ranks."""

@@ -2,7 +2,7 @@
 2 (a group on each rank, run under torch.distributed.run), and print the step's gradient norm.
 The loss's normaliser is the step's over every rank, so both must read the same norm.
 
-    python -m tests.integration.norm_check MODEL REDIS_URL AGGREGATION [FINISH]
+    python -m tests.integration.norm_check MODEL REDIS_URL AGGREGATION [FINISH [ESTIMATOR]]
 
 FINISH (default stop) is every sample's finish reason: with ``abort`` (cut off by the engine) no
 sample may give a gradient.
@@ -49,6 +49,7 @@ def fixed_groups(finish: str) -> list[object]:
 def main() -> None:
     model, redis_url, aggregation = sys.argv[1:4]
     finish = sys.argv[4] if len(sys.argv) > 4 else "stop"
+    estimator = sys.argv[5] if len(sys.argv) > 5 else "grpo"
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "RANK" not in os.environ:
         from flywheel.redis_server import free_port
@@ -67,7 +68,7 @@ def main() -> None:
     cfg = load_config(
         [
             "--redis.url", redis_url, "--train.model", model, "--train.lr", "1e-3",
-            "--train.micro_batch_tokens", "24", "--algo.loss.aggregation", aggregation,
+            "--train.micro_batch_tokens", "24", "--algo.loss.aggregation", aggregation, "--algo.advantage.estimator", estimator,
             "--async.groups_per_step", "2", "--data.n_samples_per_prompt", "2", "--rollout.max_tokens", "16",
             "--sync.announce_port", str(free_port()), "--sync.join_port", str(free_port()), "--wandb.mode", "disabled",
         ]

@@ -283,9 +283,11 @@ def test_learner_weights_reach_a_vllm_generator(cluster: Cluster, checkpoint_dir
     wait_until(lambda: gen.alive(), 1, "generator alive")
 
 
-def norm_check(checkpoint_dir: Path, redis_url: str, world: int, aggregation: str, finish: str = "stop") -> dict:
+def norm_check(
+    checkpoint_dir: Path, redis_url: str, world: int, aggregation: str, finish: str = "stop", estimator: str = "grpo"
+) -> dict:
     """``tests/integration/norm_check.py``: one step on a fixed batch; its gradient norm."""
-    script = ["-m", "tests.integration.norm_check", str(checkpoint_dir), redis_url, aggregation, finish]
+    script = ["-m", "tests.integration.norm_check", str(checkpoint_dir), redis_url, aggregation, finish, estimator]
     if world == 2:
         script = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), *script]
     out = subprocess.run(
@@ -300,16 +302,20 @@ def norm_check(checkpoint_dir: Path, redis_url: str, world: int, aggregation: st
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize(
+    ("aggregation", "estimator"),
+    [("token_mean", "grpo"), ("seq_mean_token_sum_norm", "grpo"), ("token_mean", "reinforce_pp")],
+)
 def test_two_ranks_take_the_same_step_as_one_rank_on_the_whole_batch(
-    redis_server: RedisServer, checkpoint_dir: Path, aggregation: str
+    redis_server: RedisServer, checkpoint_dir: Path, aggregation: str, estimator: str
 ) -> None:
     """A group of short answers on one rank, of long ones on the other: DeepSpeed averages the
     ranks' gradients, so each rank divides by the step's totals over both (it divided by its own,
-    weighing a short answer's token 4× a long one's), and Dr. GRPO's token sum by the generation
-    budget (it divided by each rank's longest answer). The step's gradient matches one rank's."""
-    one = norm_check(checkpoint_dir, redis_server.url, 1, aggregation)["grad_norm"]
-    two = norm_check(checkpoint_dir, redis_server.url, 2, aggregation)["grad_norm"]
+    weighing a short answer's token 4× a long one's), Dr. GRPO's token sum by the generation
+    budget (it divided by each rank's longest answer), and REINFORCE++ whitens over the whole
+    step (each rank whitened its own). The step's gradient matches one rank's."""
+    one = norm_check(checkpoint_dir, redis_server.url, 1, aggregation, "stop", estimator)["grad_norm"]
+    two = norm_check(checkpoint_dir, redis_server.url, 2, aggregation, "stop", estimator)["grad_norm"]
     assert one > 0 and two == pytest.approx(one, rel=1e-4)
 
 
