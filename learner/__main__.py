@@ -102,6 +102,30 @@ def train(cfg: FlywheelConfig) -> int:
     return 0
 
 
+def _earlier_run(cfg: FlywheelConfig) -> list[str]:
+    """A fresh learner (train.resume false) on a Redis that already holds a version of this run
+    would train from version 0 beside the hub's counters, claims and groups of the earlier one:
+    its staleness bound and admission would be off from the first step."""
+    import redis
+
+    from flywheel.netsec import redis_client
+    from flywheel.store import RunKeys
+
+    client = redis_client(cfg.redis, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        published = int(client.get(RunKeys(cfg.run.name).version) or 0)
+    except redis.RedisError:
+        return []  # not reachable yet: the learner waits for it as it always does
+    finally:
+        client.close()
+    if published == 0:
+        return []
+    return [
+        f"run {cfg.run.name!r} is already at version {published} in {cfg.redis.url}: continue it with "
+        "--train.resume true, start another with a new --run.name, or delete its keys (fw:{NAME}:*)"
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = service_config(
         "flywheel-learner",
@@ -127,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         redis_password(cfg.redis)
     except ValueError as err:
         problems.append(str(err))
+    if not problems and not cfg.train.resume:
+        problems += _earlier_run(cfg)
     if problems:
         print("flywheel-learner: " + "; ".join(problems), file=sys.stderr)
         return 2

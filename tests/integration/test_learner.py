@@ -324,3 +324,21 @@ def test_samples_the_engine_cut_off_give_no_gradient(redis_server: RedisServer, 
     its group's baseline but gets no advantage. A batch of nothing else gives no gradient."""
     result = norm_check(checkpoint_dir, redis_server.url, 1, "token_mean", "abort")
     assert result["aborted"] == 4 and result["grad_norm"] == 0.0
+
+
+def test_a_fresh_learner_refuses_a_run_redis_already_holds(redis_server: RedisServer, checkpoint_dir: Path) -> None:
+    """train.resume false on a Redis where the run is already at some version: it would train from
+    version 0 beside the earlier run's counters, claims and groups. It says so and exits 2 (a
+    configuration to fix: the launcher does not restart it)."""
+    r = redis_server.client()
+    r.set(RunKeys("flywheel").version, 3)
+    out = subprocess.run(
+        [sys.executable, "-m", "learner", "--train.model", str(checkpoint_dir), "--redis.url", redis_server.url],
+        cwd=ROOT,
+        env={**dict(__import__("os").environ), "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "run 'flywheel' is already at version 3" in out.stderr and "--train.resume true" in out.stderr
