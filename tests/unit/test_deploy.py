@@ -12,6 +12,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "docker-compose.yml"
+COMPOSE_GPU = ROOT / "deploy" / "docker-compose.gpu.yml"
 ENV = ROOT / "deploy" / "flywheel.env"
 
 
@@ -23,11 +24,10 @@ def compose_command() -> list[str]:
     raise AssertionError("neither `docker compose` nor `docker-compose` found: scripts/setup.sh installs it")
 
 
-def compose_config() -> dict:
+def compose_config(*more: Path) -> dict:
     cmd = compose_command()
-    out = subprocess.run(
-        [*cmd, "--env-file", str(ENV), "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=120
-    )
+    files = [arg for path in (COMPOSE, *more) for arg in ("-f", str(path))]
+    out = subprocess.run([*cmd, "--env-file", str(ENV), *files, "config"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     config: dict = yaml.safe_load(out.stdout)
     return config
@@ -54,4 +54,15 @@ def test_compose_file_validates_and_every_service_command_parses() -> None:
             assert flag[2:] in out.stdout, f"{name}: {flag} is not a config key"  # a typo would fail at run time
         checked.append(name)
     assert sorted(checked) == ["buffer", "generator", "learner", "reward"]
-    assert services["generator"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    # no GPU reservation here: Docker refuses to start a service whose device driver is missing
+    assert not any("deploy" in svc for svc in services.values())
+
+
+def test_the_gpu_override_gives_the_learner_and_the_generators_their_own_gpus() -> None:
+    services = compose_config(COMPOSE_GPU)["services"]
+    devices = {
+        name: services[name]["deploy"]["resources"]["reservations"]["devices"][0] for name in ("learner", "generator")
+    }
+    assert devices["learner"]["device_ids"] == ["0"] and devices["generator"]["device_ids"] == ["1"]
+    assert all(d["capabilities"] == ["gpu"] and d["driver"] == "nvidia" for d in devices.values())
+    assert "flywheel-generator" in services["generator"]["command"]  # the base file's services, merged
