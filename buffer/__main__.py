@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from buffer.hub import Hub
     from buffer.prompts import PromptSource
     from flywheel.netsec import check_keys, mask_credentials, redis_client
+    from flywheel.store import shared_settings
 
     try:
         check_keys(cfg.security, server=True)
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     hub = Hub(cfg, source, client)
     recovery.load(hub)
+    client.hset(hub.keys.settings, mapping=shared_settings(cfg))  # what the run's learners must agree with
     hub.start_metrics()
     hub.write_state_file()
     log.info(

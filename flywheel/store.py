@@ -26,11 +26,14 @@ data is one key with its own tag, so a Redis Cluster can spread groups over shar
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
 from flywheel.wire import Chunk, SamplingParams
+
+if TYPE_CHECKING:
+    from flywheel.config import FlywheelConfig
 
 
 class RunKeys:
@@ -52,6 +55,7 @@ class RunKeys:
         self.requeue = f"{tag}:requeue"
         self.claim_floor = f"{tag}:claim_floor"  # the oldest version the newest claim accepted
         self.finish_at = f"{tag}:finish_at"  # the step a finish request ends training at (FINISH_SCRIPT)
+        self.settings = f"{tag}:settings"  # the hub's SHARED_SETTINGS, which the learner's must equal
         self._tag = tag
         self._group_prefix = f"fw:{run}:g:{{{run}:"
         self._group_prefix_bytes = self._group_prefix.encode()
@@ -90,6 +94,7 @@ class RunKeys:
             self.requeue,
             self.claim_floor,
             self.finish_at,
+            self.settings,
         ]
 
 
@@ -343,3 +348,36 @@ end
 redis.call('SET', KEYS[7], cmsgpack.pack({#stale, popped}), 'EX', tonumber(ARGV[4]))
 return {#stale, popped}
 """
+
+
+# Settings the hub and the learner each read from their own configuration, which must agree: the
+# admission bound and the claims (max_staleness, groups_per_step), the group size the advantages
+# compare, and the sampling the learner's log-probabilities and Dr. GRPO's budget assume. The hub
+# publishes its own at start (``fw:{run}:settings``); a learner that disagrees refuses to start.
+SHARED_SETTINGS = (
+    "async.max_staleness",
+    "async.groups_per_step",
+    "data.n_samples_per_prompt",
+    "rollout.temperature",
+    "rollout.max_tokens",
+)
+
+
+def shared_settings(cfg: FlywheelConfig) -> dict[str, str]:
+    """``SHARED_SETTINGS`` of ``cfg``, as the strings the hub publishes."""
+    sections = {"async": cfg.async_, "data": cfg.data, "rollout": cfg.rollout}
+    out = {}
+    for key in SHARED_SETTINGS:
+        section, field = key.split(".")
+        out[key] = repr(getattr(sections[section], field))
+    return out
+
+
+def settings_disagree(published: dict[bytes, bytes], cfg: FlywheelConfig) -> list[str]:
+    """What of ``cfg`` differs from the hub's published settings (none published: nothing)."""
+    theirs = {k.decode(): v.decode() for k, v in published.items()}
+    return [
+        f"{key} is {mine} here but {theirs[key]} at the run's hub: pass --{key} {theirs[key]} (or start the hub with yours)"
+        for key, mine in shared_settings(cfg).items()
+        if key in theirs and theirs[key] != mine
+    ]

@@ -102,28 +102,34 @@ def train(cfg: FlywheelConfig) -> int:
     return 0
 
 
-def _earlier_run(cfg: FlywheelConfig) -> list[str]:
-    """A fresh learner (train.resume false) on a Redis that already holds a version of this run
-    would train from version 0 beside the hub's counters, claims and groups of the earlier one:
-    its staleness bound and admission would be off from the first step."""
+def _preflight(cfg: FlywheelConfig) -> list[str]:
+    """What in Redis says this learner must not start, as fixes to print:
+
+    - settings that differ from the ones the run's hub published (``flywheel.store.SHARED_SETTINGS``):
+      a learner with another bound, group size or sampling temperature than its hub trains on
+      batches it misreads (a wrong temperature skews every log-probability, silently);
+    - a fresh learner (train.resume false) on a Redis that already holds a version of its run:
+      it would train from version 0 beside the earlier run's counters, claims and groups."""
     import redis
 
     from flywheel.netsec import redis_client
-    from flywheel.store import RunKeys
+    from flywheel.store import RunKeys, settings_disagree
 
+    keys = RunKeys(cfg.run.name)
     client = redis_client(cfg.redis, socket_timeout=5, socket_connect_timeout=5)
     try:
-        published = int(client.get(RunKeys(cfg.run.name).version) or 0)
+        published = int(client.get(keys.version) or 0)
+        problems = settings_disagree(client.hgetall(keys.settings), cfg)
     except redis.RedisError:
         return []  # not reachable yet: the learner waits for it as it always does
     finally:
         client.close()
-    if published == 0:
-        return []
-    return [
-        f"run {cfg.run.name!r} is already at version {published} in {cfg.redis.url}: continue it with "
-        "--train.resume true, start another with a new --run.name, or delete its keys (fw:{NAME}:*)"
-    ]
+    if published and not cfg.train.resume:
+        problems.append(
+            f"run {cfg.run.name!r} is already at version {published} in {cfg.redis.url}: continue it with "
+            "--train.resume true, start another with a new --run.name, or delete its keys (fw:{NAME}:*)"
+        )
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         redis_password(cfg.redis)
     except ValueError as err:
         problems.append(str(err))
-    if not problems and not cfg.train.resume:
-        problems += _earlier_run(cfg)
+    if not problems:
+        problems += _preflight(cfg)
     if problems:
         print("flywheel-learner: " + "; ".join(problems), file=sys.stderr)
         return 2

@@ -342,3 +342,22 @@ def test_a_fresh_learner_refuses_a_run_redis_already_holds(redis_server: RedisSe
     )
     assert out.returncode == 2, out.stderr[-2000:]
     assert "run 'flywheel' is already at version 3" in out.stderr and "--train.resume true" in out.stderr
+
+
+def test_a_learner_whose_settings_differ_from_its_hubs_refuses_to_start(cluster: Cluster, checkpoint_dir: Path) -> None:
+    """The hub publishes the settings both must share; a learner with another sampling temperature
+    (every log-probability skewed, silently) or group size says which and exits 2."""
+    cluster.start_hub("--rollout.temperature", "0.7", "--data.n_samples_per_prompt", "4")
+    base = [sys.executable, "-m", "learner", "--train.model", str(checkpoint_dir), "--redis.url", cluster.redis.url]
+    env = {**dict(__import__("os").environ), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [*base, "--train.resume", "true", "--data.n_samples_per_prompt", "4"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "rollout.temperature is 1.0 here but 0.7 at the run's hub: pass --rollout.temperature 0.7" in out.stderr
+    assert "n_samples_per_prompt" not in out.stderr  # that one agrees
