@@ -98,6 +98,20 @@ def lr_lambda(cfg: FlywheelConfig) -> Any:
     return f
 
 
+def checkpoint_layout(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights under the names and shapes of the model's checkpoint, which is what vLLM loads.
+
+    transformers keeps some models converted in memory (mixture-of-experts layers fused into one
+    tensor per layer: Mixtral, Qwen2/3-MoE, DeepSeek-V3, ...), under names vLLM does not know; it
+    converts them back when it saves, and so does this. Dense models come back as they are."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without in-memory conversions
+        return weights
+    converted: dict[str, torch.Tensor] = revert_weight_conversion(model, weights)
+    return converted
+
+
 class Trainer:
     def __init__(self, cfg: FlywheelConfig, rank: int, world: int) -> None:
         import deepspeed
@@ -740,9 +754,10 @@ class Trainer:
     def sync_weights(self, wait: bool = True) -> None:
         """Broadcast this version's weights. With ``sync.overlap`` and ``wait=False`` it returns once
         a copy is handed to the sync thread; the next sync (or ``wait=True``) waits for it first."""
-        with self.full_weights() as weights:
+        with self.full_weights() as in_memory:
             if self.broadcaster is None:
                 return
+            weights = checkpoint_layout(self.engine.module, in_memory)
             self.synced_version = self.version
             if self.overlapped is not None:
                 if not wait:
