@@ -52,7 +52,15 @@ class WeightReceiverExtension:
                     # succeeds (``touched``).
                     failed.append(err)
 
-            self.model_runner.reload_weights(weights_iterator=stream())  # type: ignore[attr-defined]
+            try:
+                self.model_runner.reload_weights(weights_iterator=stream())  # type: ignore[attr-defined]
+            except Exception as err:  # vLLM's own loader failed (a name or a shape it does not know)
+                # Its in-place reload moved every layer to the meta device first and puts them
+                # back only in its finalize step, which an error in the loader skips: the engine
+                # would die at its next forward. Layers not loaded get their old tensors back.
+                touched = True
+                self._flywheel_finalize_reload()
+                raise WeightSyncError(f"vLLM could not load the weights: {type(err).__name__}: {err}") from err
             if ready.transport == "nccl":
                 # NCCL's wait() orders the device stream, it does not block this thread: without
                 # this the ack would go out before the bytes are in (and miss a late NCCL error)
@@ -85,6 +93,12 @@ class WeightReceiverExtension:
         group = join_announced(ready, rank, device)
         self._flywheel_group = group
         return group
+
+    def _flywheel_finalize_reload(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
 
     def _flywheel_drop_group(self) -> None:
         if self._flywheel_group is not None:

@@ -199,8 +199,21 @@ def test_bad_syncs_late_weights_and_drain(
     for group in batch.groups:
         for s in group.samples:
             assert (s.versions == 2).all(), s.versions
+    # 4. weights vLLM's own loader refuses (a name it does not know, sent first): the error is
+    # acked, and the engine, whose layers that loader had moved to the meta device, still works
+    bogus = {"model.layers.0.bogus.weight": torch.zeros(4), **model.state_dict()}
+    assert broadcaster.wait_for_members(1, timeout_s=30)
+    report = broadcaster.sync(3, bogus.items())
+    assert report.acked == [] and "bogus" in report.evicted.get("g0", ""), report
+    assert broadcaster.wait_for_members(1, timeout_s=30)
+    report = broadcaster.sync(4, perturbed(hf(checkpoint_dir), seed=3).state_dict().items())
+    assert report.acked == ["g0"], report
+    c.set_version(4)
+    batch = c.claim(2, 4, timeout_s=120)
+    versions = [s.versions.tolist() for group in batch.groups for s in group.samples]
+    assert all(set(v) == {4} for v in versions), versions
     assert "rejected malformed from 'announce'" in gen.log_path.read_text()
-    # 4. SIGTERM: it stops taking leases, finishes or returns what it holds, and exits cleanly
+    # 5. SIGTERM: it stops taking leases, finishes or returns what it holds, and exits cleanly
     gen.proc.send_signal(signal.SIGTERM)
     assert gen.proc.wait(timeout=60) == 0
     assert "draining" in gen.log_path.read_text()
