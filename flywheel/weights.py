@@ -34,6 +34,8 @@ ALIGN = 64
 """Byte alignment of every tensor inside a bucket."""
 CLOSE_TIMEOUT_S = 10.0
 """How long closing an NCCL group may take before it is left behind."""
+NCCL_WATCHDOG_GRACE_S = 60.0
+"""NCCL's watchdog timeout past the group's own: ``WeightGroup.finish`` aborts the group first."""
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +180,7 @@ class WeightGroup:
     epoch: int
     device: torch.device
     store: dist.TCPStore | None = None  # held by rank 0: the rendezvous server lives as long as the group
+    op_timeout_s: float = 600.0  # how long one broadcast may take before the group is given up
     send_buffers: list[torch.Tensor] = field(default_factory=list)  # rank 0: two, reused every sync
     recv_pool: list[torch.Tensor] = field(default_factory=list)  # receivers: buffers no one references any more
 
@@ -191,8 +194,24 @@ class WeightGroup:
             raise WeightSyncError(f"broadcast failed (rank {self.rank}/{self.world_size}): {err}") from err
 
     def finish(self, work: Any) -> None:
+        """Wait for a posted broadcast, at most ``op_timeout_s``.
+
+        NCCL's ``wait()`` only makes the device stream wait: it returns at once and raises
+        nothing, and a dead peer is noticed, if ever, by NCCL's watchdog, which tears the whole
+        process down. So completion is polled here, and past the timeout the group is aborted (a
+        generator acks the error and rejoins; the learner evicts). Gloo's own timeout ends its
+        operations; the poll changes nothing there."""
+        deadline = time.monotonic() + self.op_timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                self.close()
+                raise WeightSyncError(
+                    f"broadcast not complete within {self.op_timeout_s:g}s (rank {self.rank}/{self.world_size}): "
+                    "the group is given up"
+                )
+            time.sleep(0.0002)
         try:
-            work.wait()
+            work.wait()  # raises the operation's error; on NCCL, orders the stream after it
         except RuntimeError as err:  # gloo/NCCL raise RuntimeError subclasses on timeouts and dead peers
             raise WeightSyncError(f"broadcast failed (rank {self.rank}/{self.world_size}): {err}") from err
 
@@ -243,17 +262,40 @@ def join_group(
         if store is None:
             store = dist.TCPStore(host, port, None, is_master=False, timeout=timeout)
         prefix = dist.PrefixStore(f"flywheel/weights/{epoch}", store)
+        _all_joined(prefix, rank, world_size, timeout_s)
         if backend == "gloo":
             pg: Any = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
         else:
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
+            # NCCL's own watchdog tears the process down at this timeout: past our poll's
+            # (WeightGroup.finish), which aborts the group first
+            opts._timeout = timeout + timedelta(seconds=NCCL_WATCHDOG_GRACE_S)
             pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
     except (RuntimeError, dist.DistStoreError) as err:
         raise WeightSyncError(
             f"could not join the {transport} weight group at {host}:{port} as rank {rank}/{world_size}: {err}"
         ) from err
-    return WeightGroup(pg, rank, world_size, epoch, torch.device(device), store if rank == 0 else None)
+    return WeightGroup(
+        pg,
+        rank,
+        world_size,
+        epoch,
+        torch.device(device),
+        store if rank == 0 else None,
+        op_timeout_s=max(timeout_s, 0.1),
+    )
+
+
+def _all_joined(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """A barrier on the rendezvous store before the group is built: NCCL builds its communicator
+    at the first broadcast, in a call that waits for every rank with no timeout at all, so a rank
+    that never came (dead, or its announcement lost) would hang rank 0 for good."""
+    store.add("joined", 1)
+    deadline = time.monotonic() + timeout_s
+    while (joined := store.add("joined", 0)) < world_size:
+        if time.monotonic() > deadline:
+            raise WeightSyncError(f"{joined} of {world_size} ranks joined the weight group within {timeout_s:g}s")
+        time.sleep(0.005)
 
 
 def join_announced(ready: WeightsReady, rank: int, device: torch.device | str = "cpu") -> WeightGroup:

@@ -85,6 +85,7 @@ class WeightReceiverExtension:
     def _flywheel_join(self, ready: WeightsReady, rank: int) -> WeightGroup:
         group = self._flywheel_group
         if group is not None and group.epoch == ready.epoch:
+            group.op_timeout_s = max(ready.deadline - time.time(), 0.1)  # this sync's, not the first one's
             return group
         self._flywheel_drop_group()
         # gloo moves host memory (the loader copies each tensor to the model's device); NCCL

@@ -248,6 +248,7 @@ class WeightBroadcaster:
                 self._store_port = store.port
                 report.join_s = time.perf_counter() - t0
             assert self.group is not None
+            self.group.op_timeout_s = max(deadline - time.time(), 0.1)  # no broadcast outlives the deadline
             report.broadcast_s = send(self.group, buckets, tensors)
         except WeightSyncError as err:
             log.error("weight sync v%d failed: %s; the group is rebuilt at the next sync", version, err)
@@ -258,7 +259,9 @@ class WeightBroadcaster:
 
     def _collect_acks(self, version: int, deadline: float, report: SyncReport) -> None:
         waiting = set(report.members)
-        while waiting and time.time() < deadline:
+        first = True  # acks that came in time are read even when the send ended past the deadline
+        while waiting and (first or time.time() < deadline):
+            first = False
             self.poll(int(min(50, max(1, (deadline - time.time()) * 1000))))
             for gen_id in list(waiting):
                 if gen_id in self._restarted:  # the process the weights went to is gone

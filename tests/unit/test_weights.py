@@ -125,6 +125,40 @@ def test_a_sender_that_never_comes_raises_at_the_timeout() -> None:
     assert time.monotonic() - start < 10
 
 
+def test_a_rank_that_never_comes_is_named_at_the_rendezvous_before_any_group_is_built() -> None:
+    """NCCL builds its communicator at the first broadcast, waiting for every rank with no timeout:
+    the ranks meet on the rendezvous store first, within the timeout, and a missing one is named."""
+    store = host_store("127.0.0.1", 30)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="1 of 2 ranks joined the weight group within 1.5s"):
+        join_group("gloo", "127.0.0.1", store.port, 0, 2, 3, timeout_s=1.5, store=store)
+    assert time.monotonic() - start < 10
+
+
+def test_a_broadcast_that_does_not_complete_gives_the_group_up_at_its_timeout() -> None:
+    """A peer in the group that never takes part: the wait ends at the group's timeout, as NCCL's
+    (whose wait() returns at once) would not on its own."""
+    import threading
+
+    store = host_store("127.0.0.1", 30)
+    joined = threading.Event()
+    peer: list[Any] = []
+
+    def silent_peer() -> None:  # joins, then never posts its side of the broadcast
+        peer.append(join_group("gloo", "127.0.0.1", store.port, 1, 2, 4, timeout_s=3))
+        joined.set()
+
+    threading.Thread(target=silent_peer, daemon=True).start()
+    group = join_group("gloo", "127.0.0.1", store.port, 0, 2, 4, timeout_s=3, store=store)
+    assert joined.wait(30)
+    group.op_timeout_s = 0.5  # (the gloo group's own timeout is 3 s)
+    buf = torch.zeros(1 << 22, dtype=torch.uint8)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="not complete within 0.5s"):
+        group.broadcast(buf)
+    assert time.monotonic() - start < 5
+
+
 def test_unknown_transport_is_refused() -> None:
     with pytest.raises(WeightSyncError, match="ipc"):
         join_group("ipc", "127.0.0.1", 1, 1, 2, 1, timeout_s=1)
