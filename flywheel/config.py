@@ -286,7 +286,7 @@ class RewardFunctionSpec(_Section):
         description="A built-in (arithmetic, math, exact_match, regex_match, format, length_penalty, length, remote, "
         "reward_model) or a user function by import path 'pkg.module:fn'."
     )
-    weight: float = Field(1.0, description="Weight of this function in the total reward.")
+    weight: float = Field(1.0, allow_inf_nan=False, description="Weight of this function in the total reward.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed on every call.")
 
     @field_validator("name")

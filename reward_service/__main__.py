@@ -41,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     pool = WorkerPool(
-        cfg.reward.workers, specs, tokenizer, {"max_tokens": cfg.rollout.max_tokens}, cfg.reward.timeout_s
+        cfg.reward.workers,
+        specs,
+        tokenizer,
+        {"max_tokens": cfg.rollout.max_tokens, "call_timeout_s": cfg.reward.timeout_s},
+        cfg.reward.timeout_s,
     )
     service = RewardService(cfg.reward, f"reward-{socket.gethostname()}-{os.getpid()}", pool, security=cfg.security)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())

@@ -4,6 +4,7 @@ per sample; ``metadata`` carries the dataset fields named by ``data.metadata_key
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import re
 import threading
@@ -41,26 +42,51 @@ def math_answer(
     completions: list[str],
     metadata: list[dict[str, Any]],
     answer_key: str = "answer",
-    timeout_s: int = 5,
+    timeout_s: float = 5,
     **_: Any,
 ) -> list[float]:
     """Math answer verification with ``math-verify``: the completion's final answer (a
     ``\\boxed{}`` or the last expression) equals the reference symbolically (1/2 == 0.5).
 
+    The reference is read as LaTeX in a ``\\boxed{}`` (as verl does): bare, ``3\\sqrt{2}`` read
+    as 3 and ``\\sqrt{2}`` as nothing. The answer is looked for after the reasoning: in the last
+    ``<answer>…</answer>`` when there is one, else after the last ``</think>``.
+
     >>> math_answer(["1/2 + 0?"], ["So the result is $\\\\boxed{0.5}$."], [{"answer": "\\\\frac{1}{2}"}])
     [1.0]
+    >>> math_answer(["?"], ["\\\\boxed{3}"], [{"answer": "3\\\\sqrt{2}"}])
+    [0.0]
     """
-    from math_verify import parse, verify
+    from math_verify import LatexExtractionConfig, parse, verify
 
-    # math-verify bounds its sympy work with SIGALRM, which exists only in the main thread
-    timeout = timeout_s if threading.current_thread() is threading.main_thread() else None
+    # math-verify bounds its sympy work with SIGALRM, which takes whole seconds and exists only in
+    # the main thread (a float made it fail inside, and score every sample 0)
+    timeout = max(1, math.ceil(timeout_s)) if threading.current_thread() is threading.main_thread() else None
+    latex = [LatexExtractionConfig()]
     out = []
     for completion, meta in zip(completions, metadata, strict=True):
         gold_text = _answer(meta, answer_key)
-        gold = parse(gold_text if "$" in gold_text or "\\" in gold_text else f"${gold_text}$", parsing_timeout=timeout)
-        pred = parse(completion, parsing_timeout=timeout)
-        out.append(float(bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=timeout)))
+        if len(gold_text) > 1 and gold_text[0] == gold_text[-1] == "$":
+            gold_text = gold_text[1:-1]
+        boxed = gold_text if "\\boxed" in gold_text else "\\boxed{" + gold_text + "}"
+        gold = parse(boxed, extraction_config=latex, parsing_timeout=timeout)
+        if not gold:
+            raise ValueError(f"math: the reference answer {gold_text!r} does not parse as LaTeX")
+        pred = parse(_final_answer(completion), parsing_timeout=timeout)
+        out.append(float(bool(pred) and verify(gold, pred, timeout_seconds=timeout)))
     return out
+
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def _final_answer(completion: str) -> str:
+    """Where a completion states its answer: the last ``<answer>`` block, else what follows the
+    last ``</think>`` (a number in the reasoning is no answer), else the whole completion."""
+    tagged = _ANSWER_TAG.findall(completion)
+    if tagged:
+        return str(tagged[-1])
+    return completion.rpartition("</think>")[2] if "</think>" in completion else completion
 
 
 @register("exact_match")
@@ -69,16 +95,19 @@ def exact_match(
     completions: list[str],
     metadata: list[dict[str, Any]],
     answer_key: str = "answer",
-    extract: str | None = r"(-?\d+(?:\.\d+)?)(?!.*\d)",
+    extract: str | None = r"(-?\d[\d,]*(?:\.\d+)?)(?!.*\d)",
     ignore_case: bool = False,
     **_: Any,
 ) -> list[float]:
-    """1 when the extracted answer equals the reference after whitespace normalisation.
+    """1 when the extracted answer equals the reference after whitespace normalisation; two
+    numbers are compared as numbers (``1,000`` equals ``1000``, ``42.0`` equals ``42``).
 
     ``extract`` is a regex whose first group is the answer (default: the last number; ``None``:
     the whole completion).
 
     >>> exact_match(["2+2?"], ["I think it is 4"], [{"answer": "4"}])
+    [1.0]
+    >>> exact_match(["?"], ["The answer is 1,000."], [{"answer": "1000"}])
     [1.0]
     """
     pattern = re.compile(extract, re.DOTALL) if extract else None
@@ -87,12 +116,21 @@ def exact_match(
         text = completion
         if pattern is not None:
             found = pattern.search(completion)
-            text = (found.group(1) if found.groups() else found.group()) if found else ""
+            text = ((found.group(1) or "") if found.groups() else found.group()) if found else ""
         got, want = " ".join(text.split()), " ".join(_answer(meta, answer_key).split())
         if ignore_case:
             got, want = got.lower(), want.lower()
-        out.append(float(bool(got) and got == want))
+        same = got == want or (_number(got) is not None and _number(got) == _number(want))
+        out.append(float(bool(got) and same))
     return out
+
+
+def _number(text: str) -> float | None:
+    """``text`` as a number (thousands separators allowed), or None."""
+    try:
+        return float(re.sub(r"(?<=\d),(?=\d{3}\b)", "", text))
+    except ValueError:
+        return None
 
 
 @register("regex_match")
@@ -125,11 +163,12 @@ def format_reward(
     prompts: list[str],
     completions: list[str],
     metadata: list[dict[str, Any]],
-    pattern: str = r"<think>.*?</think>\s*<answer>.*?</answer>",
+    pattern: str = r"(?:<think>)?(?:(?!</?think>).)*</think>\s*<answer>(?:(?!</?answer>).)*</answer>",
     **_: Any,
 ) -> list[float]:
     """1 when the whole completion (stripped) has the required format; by default
-    ``<think>…</think><answer>…</answer>``.
+    ``<think>…</think><answer>…</answer>``: one of each, nothing nested, and the opening
+    ``<think>`` optional (chat templates of reasoning models put it in the prompt).
 
     >>> format_reward(["?"], ["<think>hm</think> <answer>4</answer>"], [{}])
     [1.0]
@@ -155,6 +194,8 @@ def length_penalty(
     [-0.5]
     """
     buffer = max(1, buffer_tokens if buffer_tokens is not None else max_tokens // 4)
+    if buffer > max_tokens:
+        raise ValueError(f"length_penalty: buffer_tokens {buffer} is more than max_tokens {max_tokens}")
     free = max_tokens - buffer
     return [max(-1.0, min(0.0, (free - len(ids)) / buffer)) for ids in completion_ids]
 
@@ -198,36 +239,48 @@ async def remote(
     timeout_s: float = 10.0,
     retries: int = 3,
     backoff_s: float = 0.5,
+    call_timeout_s: float | None = None,
     **_: Any,
 ) -> list[Any]:
     """POST ``{"prompts", "completions", "metadata"}`` as JSON to ``url``; the answer must be
     ``{"rewards": [...]}`` (or the bare list), one float or ``{"reward": x, ...}`` per sample.
 
     Connection errors, timeouts, 429 and 5xx are retried ``retries`` times with exponential
-    back-off and jitter; any other status or a malformed answer fails the batch at once.
+    back-off and jitter; any other status or a malformed answer fails the batch at once. All of it
+    ends within 0.8 of ``call_timeout_s`` (the service's ``reward.timeout_s``), so that a dead
+    endpoint fails the batch as such, before the pool kills the worker and retries each sample
+    alone, each then waiting out the whole deadline.
     """
     import aiohttp
 
     if not url:
         raise ValueError("remote needs kwargs.url, e.g. {name: remote, kwargs: {url: http://host:port/score}}")
     body = {"prompts": prompts, "completions": completions, "metadata": metadata}
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    last = ""
-    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
+    loop = asyncio.get_running_loop()
+    budget_end = None if call_timeout_s is None else loop.time() + 0.8 * call_timeout_s
+    last, tries = "", 0
+    async with aiohttp.ClientSession(headers=headers) as session:
         for attempt in range(retries + 1):
             if attempt:
-                await asyncio.sleep(backoff_s * 2 ** (attempt - 1) * (0.5 + random.random()))
+                pause = backoff_s * 2 ** (attempt - 1) * (0.5 + random.random())
+                if budget_end is not None and loop.time() + pause >= budget_end:
+                    break
+                await asyncio.sleep(pause)
+            left = timeout_s if budget_end is None else min(timeout_s, budget_end - loop.time())
+            if left <= 0:
+                break
+            tries += 1
             try:
-                return await _post(session, url, body, len(prompts))
+                return await _post(session, url, body, len(prompts), aiohttp.ClientTimeout(total=left))
             except _Retryable as err:
                 last = str(err)
             except (aiohttp.ClientError, TimeoutError) as err:
                 last = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-    raise BatchError(f"{url} failed {retries + 1} times; last: {last}")
+    raise BatchError(f"{url} failed {tries} times; last: {last}")
 
 
-async def _post(session: Any, url: str, body: dict[str, Any], n: int) -> list[Any]:
-    async with session.post(url, json=body) as resp:
+async def _post(session: Any, url: str, body: dict[str, Any], n: int, timeout: Any) -> list[Any]:
+    async with session.post(url, json=body, timeout=timeout) as resp:
         if resp.status == 429 or resp.status >= 500:
             raise _Retryable(f"HTTP {resp.status}")
         if resp.status != 200:

@@ -59,6 +59,12 @@ class Scorer:
     def __init__(self, specs: list[FunctionSpec], tokenizer: str | None, context: dict[str, Any]) -> None:
         self.functions: list[tuple[RewardFunction, FunctionSpec]] = [(resolve(s.name), s) for s in specs]
         self.context = context  # kwargs every function gets unless its spec overrides them (max_tokens)
+        # each function's name in the breakdown; a name used twice (two regex_match) gets #2, #3
+        seen: dict[str, int] = {}
+        self.labels = []
+        for s in specs:
+            seen[s.name] = seen.get(s.name, 0) + 1
+            self.labels.append(s.name if seen[s.name] == 1 else f"{s.name}#{seen[s.name]}")
         needs_text = any(fn.needs_text for fn, _ in self.functions)
         if needs_text and tokenizer is None:
             names = [s.name for fn, s in self.functions if fn.needs_text]
@@ -71,7 +77,7 @@ class Scorer:
         if not items:
             return outcomes
         batch = self._batch(items)
-        for fn, spec in self.functions:
+        for (fn, spec), label in zip(self.functions, self.labels, strict=True):
             rewards = self._call(fn, spec, batch, list(range(len(items))))
             for out, r in zip(outcomes, rewards, strict=True):
                 if out.error is not None:
@@ -81,9 +87,12 @@ class Scorer:
                     continue
                 value, parts = r
                 out.reward += spec.weight * value
-                out.breakdown[spec.name] = value
+                out.breakdown[label] = value
                 for k, v in parts.items():
-                    out.breakdown[f"{spec.name}/{k}"] = v
+                    out.breakdown[f"{label}/{k}"] = v
+        for out in outcomes:  # finite terms can still sum past a float (1e308 twice)
+            if out.error is None and not math.isfinite(out.reward):
+                out.error = f"non_finite: the weighted sum is {out.reward!r}"
         return outcomes
 
     def _batch(self, items: list[Item]) -> dict[str, Any]:
@@ -155,6 +164,10 @@ def _one(name: str, r: Any) -> tuple[float, dict[str, float]] | str:
     values = [r, *parts.values()]
     if any(isinstance(v, bool) or not isinstance(v, numbers.Real) for v in values):
         return f"bad_output: {name}: rewards must be numbers, got {r!r}"
-    if not all(math.isfinite(v) for v in values):
+    try:
+        floats = [float(v) for v in values]
+    except OverflowError:  # an int past any float (10**400): math.isfinite would raise on it
+        return f"bad_output: {name}: a reward too large for a float"
+    if not all(math.isfinite(v) for v in floats):
         return f"non_finite: {name}: {r!r}"
-    return float(r), {k: float(v) for k, v in parts.items()}
+    return floats[0], dict(zip(parts, floats[1:], strict=True))

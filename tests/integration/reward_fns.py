@@ -47,3 +47,8 @@ def slow_batches(prompts: list[str], completions: list[str], metadata: list[dict
     past a short hub.score_timeout_s, and the hub sends them again."""
     time.sleep(0.4)
     return [1.0] * len(completions)
+
+
+def huge(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any) -> list[Any]:
+    """Finite values that break a float: an int past any float, and 1e308 (twice it is inf)."""
+    return [10**400 if len(ids) % 2 else 1e308 for ids in kwargs["completion_ids"]]

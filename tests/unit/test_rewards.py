@@ -34,8 +34,34 @@ def test_math_verifies_symbolically() -> None:
     assert b.math_answer([""], ["$x^2+2x+1$"], [{"answer": "(x+1)^2"}]) == [1.0]
 
 
+def test_math_reads_latex_references_and_the_stated_answer() -> None:
+    """The reference is parsed as LaTeX in a box: bare, 3\\sqrt{2} read as 3 (a wrong \\boxed{3}
+    scored 1) and \\sqrt{2} as nothing (a right answer scored 0). The answer is the last
+    <answer> block or what follows </think>, not a number of the reasoning."""
+    wrong = ["\\boxed{3}", "\\boxed{2}", "\\boxed{5}"]
+    golds = [{"answer": "3\\sqrt{2}"}, {"answer": "2\\pi"}, {"answer": "5\\sqrt{2}+1"}]
+    assert b.math_answer([""] * 3, wrong, golds) == [0.0, 0.0, 0.0]
+    right = ["\\boxed{\\sqrt{2}}", "$\\boxed{\\frac{1}{2}}$", "\\boxed{(3, \\infty)}", "\\boxed{\\frac34}"]
+    golds = [{"answer": "\\sqrt{2}"}, {"answer": "\\frac12"}, {"answer": "(3,\\infty)"}, {"answer": "$\\dfrac{3}{4}$"}]
+    assert b.math_answer([""] * 4, right, golds) == [1.0, 1.0, 1.0, 1.0]
+    tagged = [
+        "<think>7</think>\n<answer>42</answer>",
+        "<think>it's 42</think><answer>7</answer>",
+        "<think>42</think> 7",
+    ]
+    assert b.math_answer([""] * 3, tagged, [{"answer": "42"}] * 3) == [1.0, 0.0, 0.0]
+    # SIGALRM takes whole seconds: a float timeout made math-verify fail inside and score 0
+    assert b.math_answer([""], ["\\boxed{0.5}"], [{"answer": "1/2"}], timeout_s=2.5) == [1.0]
+    with pytest.raises(ValueError, match="does not parse"):
+        b.math_answer([""], ["\\boxed{1}"], [{"answer": "}{"}])
+
+
 def test_exact_match_regex_match_and_format() -> None:
     assert b.exact_match([""] * 3, ["it is 8", "8 or 9", "  8 "], META * 3) == [1.0, 0.0, 1.0]
+    numbers = ["The answer is 1,000.", "1000", "42.0", "-3"]
+    golds = [{"answer": "1000"}, {"answer": "1,000"}, {"answer": "42"}, {"answer": "-3"}]
+    assert b.exact_match([""] * 4, numbers, golds) == [1.0, 1.0, 1.0, 1.0]  # "1,000" read as 000; 42.0 != 42
+    assert b.exact_match([""], ["no"], [{"answer": "yes"}], extract=r"(yes)|no") == [0.0]  # a group that did not match
     assert b.exact_match([""] * 2, ["Paris ", "paris"], [{"city": "Paris"}] * 2, answer_key="city", extract=None) == [
         1.0,
         0.0,
@@ -52,10 +78,22 @@ def test_exact_match_regex_match_and_format() -> None:
     ]
 
 
+def test_format_wants_one_think_and_one_answer_and_allows_a_think_opened_by_the_template() -> None:
+    texts = [
+        "<think>a</think><answer>1</answer>",
+        "a</think>\n<answer>1</answer>",  # <think> was in the prompt (Qwen3, R1-distill templates)
+        "<think>a</think><answer>1</answer><answer>2</answer>",  # two answers
+        "<think>a<think>b</think></think><answer>1</answer>",  # nested
+    ]
+    assert b.format_reward([""] * 4, texts, [{}] * 4) == [1.0, 1.0, 0.0, 0.0]
+
+
 def test_length_penalty_is_dapos_soft_overlong_penalty() -> None:
     ids = [[0] * n for n in (10, 80, 90, 100, 130)]
     got = b.length_penalty([""] * 5, [""] * 5, [{}] * 5, completion_ids=ids, max_tokens=100, buffer_tokens=20)
     assert got == [0.0, 0.0, -0.5, -1.0, -1.0]
+    with pytest.raises(ValueError, match="buffer_tokens 200 is more than max_tokens 100"):
+        b.length_penalty([""], [""], [{}], completion_ids=[[0]], max_tokens=100, buffer_tokens=200)
     assert b.length_fraction([""] * 2, [""] * 2, [{}] * 2, completion_ids=[[0] * 5, [0] * 50], max_tokens=10) == [
         0.5,
         1.0,
@@ -105,6 +143,8 @@ def test_scorer_sums_weighted_rewards_with_a_breakdown(tok: str) -> None:
         "length",
     }
     assert all(o.error is None for o in out)
+    twice = scorer(tok, ("length", 1.0, {"max_tokens": 10}), ("length", 2.0, {"max_tokens": 5})).score(items([4]))
+    assert twice[0].breakdown == {"length": 0.4, "length#2": 0.8}  # the second no longer overwrote the first
 
 
 def test_scorer_isolates_a_raising_sample_and_flags_nan_and_bad_output(tok: str) -> None:
@@ -116,6 +156,18 @@ def test_scorer_isolates_a_raising_sample_and_flags_nan_and_bad_output(tok: str)
     assert out[0].error is None and out[1].error is not None and out[1].error.startswith("non_finite")
     bad = Scorer([FunctionSpec("length", 1.0, {})], None, {})  # max_tokens missing: a TypeError per sample
     assert all(o.error and "max_tokens" in o.error for o in bad.score(items([1, 2])))
+
+
+def test_a_sum_past_a_float_is_an_error_not_a_reward(tok: str) -> None:
+    """A value too large for a float crashed the worker (OverflowError); 1e308 twice summed to
+    inf, which the hub's check then refused with the whole batch, every finite score in it too."""
+    out = scorer(tok, ("tests.integration.reward_fns:huge", 2.0, {})).score(items([1, 2]))
+    assert out[0].error is not None and out[0].error.startswith("bad_output") and "too large" in out[0].error
+    assert out[1].error is not None and out[1].error.startswith("non_finite: the weighted sum")
+    from flywheel.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="weight"):
+        load_config(["--reward.functions", "[{name: math, weight: .nan}]"])
 
 
 def test_scorer_runs_async_functions(tok: str) -> None:
@@ -233,6 +285,24 @@ def test_remote_down_is_retried_then_reported(tok: str) -> None:
     out = remote_scorer(tok, f"http://127.0.0.1:{port}/score", retries=2).score(items([1, 2]))
     assert all(o.error is not None and "failed 3 times" in o.error for o in out)
     assert math.isfinite(out[0].reward)
+
+
+def test_a_dead_endpoint_fails_the_batch_within_the_services_deadline(tok: str) -> None:
+    """Retries and their back-off stop at 0.8 of reward.timeout_s: past that deadline the pool
+    kills the worker and retries every sample alone, each waiting it out again."""
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(1)  # accepts, never answers
+        url = f"http://127.0.0.1:{listening.getsockname()[1]}/score"
+        s = Scorer(
+            [FunctionSpec("remote", 1.0, {"url": url, "backoff_s": 0.05, "timeout_s": 10.0, "retries": 3})],
+            tok,
+            {"call_timeout_s": 2.0},
+        )
+        started = time.monotonic()
+        out = s.score(items([1, 2]))
+        assert time.monotonic() - started < 2.0
+    assert all(o.error is not None and "exception: remote" in o.error and "failed 1 times" in o.error for o in out)
 
 
 def test_docstring_examples_run() -> None:
