@@ -176,23 +176,9 @@ def test_ppo_with_a_critic_trains_and_checkpoints_both_models(cluster: Cluster, 
 
 def test_resume_gives_the_same_loss_as_an_uninterrupted_run(cluster: Cluster, checkpoint_dir: Path) -> None:
     start_rollouts(cluster, "--async.max_staleness", "100")
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.integration.resume_check",
-            str(checkpoint_dir),
-            cluster.redis.url,
-            str(cluster.tmp / "ckpt"),
-        ],
-        cwd=ROOT,
-        env={**dict(__import__("os").environ), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = script_result(
+        ["-m", "tests.integration.resume_check", str(checkpoint_dir), cluster.redis.url, str(cluster.tmp / "ckpt")]
     )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["resumed_version"] == 2
     assert result["loss_next"][0] == pytest.approx(result["loss_next"][1], abs=1e-6)
     assert result["loss_after_step"][0] == pytest.approx(result["loss_after_step"][1], abs=1e-6)
@@ -290,8 +276,14 @@ def norm_check(
     script = ["-m", "tests.integration.norm_check", str(checkpoint_dir), redis_url, aggregation, finish, estimator]
     if world == 2:
         script = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), *script]
+    return script_result(script)
+
+
+def script_result(argv: list[str]) -> dict:
+    """Run ``python ARGV`` from the repository (one thread a process) and return the JSON of its
+    last line."""
     out = subprocess.run(
-        [sys.executable, *script],
+        [sys.executable, *argv],
         cwd=ROOT,
         env={**dict(__import__("os").environ), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
         capture_output=True,
@@ -299,7 +291,8 @@ def norm_check(
         timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
 
 
 @pytest.mark.parametrize(
