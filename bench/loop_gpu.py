@@ -136,7 +136,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
             "tokens_per_s_wall": summary.get("learner_tokens_per_s_wall"),
             "tokens": summary.get("learner_tokens"),
             "idle_frac": waited / sum(step_s),
-            "idle_frac_mean_of_steps": summary["learner_idle_frac"],
+            "idle_frac_of_step_time": summary["learner_idle_frac"],
         },
         "generator": {
             "tokens_per_s_wall": summary.get("generator_tokens_per_s_wall"),

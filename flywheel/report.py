@@ -15,17 +15,41 @@ def load_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "learner_metrics.jsonl"
     if not path.exists():
         return []
-    rows = []
+    by_step: dict[int, dict[str, Any]] = {}
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
             continue  # a line cut short by a crash
-    return rows
+        # a learner restarted from a checkpoint trains the steps after it again: the last run of a
+        # step is the one the policy kept, and counting both would count its tokens twice
+        by_step.pop(row.get("step"), None)
+        by_step[row.get("step")] = row
+    return list(by_step.values())
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
+
+
+def _learner_time_shares(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The learner's idle share of its step time and its tokens per busy second, weighted by each
+    step's length (a mean of per-step shares would count a 10 s wait as much as a 0.1 s one)."""
+    step_s = [r.get("perf/step_s", 0.0) for r in rows]
+    idle_s = sum(r.get("perf/idle_frac", 0.0) * s for r, s in zip(rows, step_s, strict=True))
+    total = sum(step_s)
+    busy = total - idle_s
+    tokens = sum(r.get("perf/tokens", 0.0) for r in rows)
+    return {
+        "learner_idle_frac": idle_s / total if total > 0 else 0.0,
+        "learner_tokens_per_s": tokens / busy if busy > 0 else 0.0,
+    }
+
+
+def _from_first_nonzero(xs: list[float]) -> list[float]:
+    """The samples from the generators' first token on: start-up is no throughput, idle gaps are."""
+    first = next((i for i, x in enumerate(xs) if x > 0), len(xs))
+    return list(xs[first:])
 
 
 def loop_figures(rows: list[dict[str, Any]], timeline: Any) -> dict[str, float]:
@@ -37,6 +61,7 @@ def loop_figures(rows: list[dict[str, Any]], timeline: Any) -> dict[str, float]:
     - ``generator_no_work_frac``: share of samples at which no lease was out (nothing to generate);
     - ``generator_blocked_frac``: share of the window the staleness bound kept free slots empty.
     """
+    rows = [r for r in rows if r["time"] >= timeline.start_wall]  # this launch's (a resumed run kept the file)
     if not rows:
         return {}
     start = rows[0]["time"] - rows[0].get("perf/step_s", 0.0) - timeline.start_wall
@@ -92,9 +117,8 @@ def write_report(
         "reward_first": _mean(rewards[:window]),
         "reward_last": _mean(rewards[-window:]),
         "staleness_histogram": {str(k): v for k, v in sorted(staleness.items())},
-        "learner_idle_frac": _mean([r.get("perf/idle_frac", 0.0) for r in rows]),
-        "learner_tokens_per_s": _mean([r.get("perf/tokens_per_s", 0.0) for r in rows]),
-        "generator_tokens_per_s": _mean([x for x in timeline.gen_tokens_per_s if x > 0]),
+        **_learner_time_shares(rows),
+        "generator_tokens_per_s": _mean(_from_first_nonzero(timeline.gen_tokens_per_s)),
         **loop_figures(rows, timeline),
     }
     if eval_start is not None:

@@ -9,7 +9,9 @@ import random
 import re
 from pathlib import Path
 
-_FIRST_INT = re.compile(r"-?\d+")
+# The first number: its decimals with it (" 7.5" is no 7), ASCII digits only (a full-width "７"
+# is not the answer's "7" and does not count as the number format either)
+_FIRST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?", re.ASCII)
 
 
 def arithmetic_prompt(a: int, b: int) -> str:
@@ -34,8 +36,8 @@ def arithmetic_eval_rows(n: int, seed: int = 0, max_operand: int = 9) -> list[di
 
 
 def arithmetic_correct(completion: str, answer: str) -> tuple[bool, bool]:
-    """(the first integer of the completion is the answer, the completion has an integer)."""
-    found = _FIRST_INT.search(completion)
+    """(the first number of the completion is the answer, the completion has a number)."""
+    found = _FIRST_NUMBER.search(completion)
     return found is not None and found.group() == answer.strip(), found is not None
 
 

@@ -22,6 +22,8 @@ def evaluate(model_dir: str | Path, cfg: FlywheelConfig, batch_size: int = 128) 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
+    if tok.pad_token is None:  # (Llama 3, Mistral): padding is masked, any token does
+        tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
     hits = formatted = 0
     for i in range(0, len(rows), batch_size):

@@ -55,7 +55,7 @@ def warm_start(
             ids.append(prompt + completion)
             labels.append([-100] * len(prompt) + completion)  # loss on the completion only
         width = max(len(x) for x in ids)
-        pad = tok.pad_token_id
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id  # (Llama 3 has none)
         input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids], device=device)
         label_t = torch.tensor([x + [-100] * (width - len(x)) for x in labels], device=device)
         mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids], device=device)

@@ -361,6 +361,7 @@ class Trainer:
             log.info("compiled %d regions of the policy", n)
         self._compiled = True
         seqs, rewards_GN = sequences(batch)
+        claimed_rewards = rewards_GN  # the batch's, before dynamic filtering takes its solved groups out
         stats = StepStats(self.version)
         stats.staleness.update(g.staleness for g in batch.groups)
         has_signal = True
@@ -424,8 +425,8 @@ class Trainer:
             self._fit_critic(mbs, weights, old_values, returns, resp_mask, norms[0], stats, apply)
         stats.metrics.update(
             {
-                "reward/mean": float(rewards_GN.mean()),
-                "reward/std": float(rewards_GN.std()) if rewards_GN.numel() > 1 else 0.0,
+                "reward/mean": float(claimed_rewards.mean()),
+                "reward/std": float(claimed_rewards.std()) if claimed_rewards.numel() > 1 else 0.0,
                 "adv/mean": float(algos.masked_mean(adv, resp_mask)),
                 "adv/std": float(adv[resp_mask > 0].std()) if resp_mask.sum() > 1 else 0.0,
                 "adv/max": float(adv[resp_mask > 0].max()) if resp_mask.sum() else 0.0,
@@ -433,11 +434,30 @@ class Trainer:
                 "batch/response_len": float(resp_mask.sum(1).mean()),
                 "batch/staleness_mean": float(np.mean([s.staleness for s in seqs])),
                 "batch/dropped_stale": float(batch.dropped),
-                "perf/tokens": float(sum(mb.tokens for mb in mbs)),
+                # (not the zero-weight repeats that pair a rank's collectives with the busiest one's)
+                "perf/tokens": float(sum(mb.tokens for mb, w in zip(mbs, weights, strict=True) if w > 0)),
                 "lr": float(self.engine.get_lr()[0]),
             }
         )
+        if self.world > 1 and apply:
+            self._whole_step_figures(stats, claimed_rewards)
         return stats
+
+    def _whole_step_figures(self, stats: StepStats, rewards_GN: torch.Tensor) -> None:
+        """The step's tokens, reward and staleness over every rank: only rank 0 reports, and each
+        rank trains its share of the batch."""
+        import torch.distributed as dist
+
+        eta = self.cfg.async_.max_staleness
+        local = [stats.metrics["perf/tokens"], float(rewards_GN.sum()), float(rewards_GN.numel())]
+        local += [float(stats.staleness.get(k, 0)) for k in range(eta + 1)]
+        t = torch.tensor(local, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        tokens, reward_sum, samples, *stale = t.tolist()
+        stats.metrics["perf/tokens"] = tokens
+        stats.metrics["reward/mean"] = reward_sum / max(samples, 1.0)
+        stats.staleness.clear()
+        stats.staleness.update({k: int(n) for k, n in enumerate(stale) if n})
 
     def _step_norms(self, resp_mask: torch.Tensor, has_signal: bool, apply: bool) -> tuple[float, float]:
         """The step's (response tokens, sequences) that a rank's losses divide by.

@@ -4,6 +4,7 @@ from the training window alone."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from pathlib import Path
@@ -114,6 +115,27 @@ def test_loop_figures_count_only_the_training_window() -> None:
     assert figures["generator_tokens_per_s_wall"] == pytest.approx(100.0)
     assert figures["generator_no_work_frac"] == pytest.approx(1 / 11)
     assert figures["generator_blocked_frac"] == pytest.approx(0.5)
+
+
+def test_the_report_weighs_steps_by_their_length_and_counts_a_repeated_step_once(tmp_path: Path) -> None:
+    """A mean of per-step idle shares counted a 9 s wait in a 10 s step as much as none in a 1 s
+    one (0.09 where 9 of 19 s were idle); a learner restarted from a checkpoint logs the steps
+    after it again, which counted their tokens twice."""
+    from flywheel.report import _learner_time_shares, load_metrics
+
+    rows = [{"step": 1, "time": 10.0, "perf/step_s": 10.0, "perf/idle_frac": 0.9, "perf/tokens": 100.0}]
+    rows += [
+        {"step": k, "time": 10.0 + k, "perf/step_s": 1.0, "perf/idle_frac": 0.0, "perf/tokens": 100.0}
+        for k in range(2, 11)
+    ]
+    shares = _learner_time_shares(rows)
+    assert shares["learner_idle_frac"] == pytest.approx(9 / 19)
+    assert shares["learner_tokens_per_s"] == pytest.approx(1000 / 10)  # 10 busy seconds
+    again = [dict(r, time=r["time"] + 100, **{"perf/tokens": 50.0}) for r in rows[4:]]  # resumed at step 5
+    (tmp_path / "learner_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + again))
+    loaded = load_metrics(tmp_path)
+    assert [r["step"] for r in loaded] == list(range(1, 11))
+    assert sum(r["perf/tokens"] for r in loaded) == 4 * 100 + 6 * 50  # the runs the policy kept
 
 
 def test_cpu_lists_parse_and_bad_ones_name_the_field() -> None:

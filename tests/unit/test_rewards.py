@@ -26,6 +26,9 @@ def test_arithmetic_takes_the_first_integer() -> None:
     got = b.arithmetic([""] * 4, [" 8", " 8 + 1 = 9", " 9, no 8", " eight"], META * 4)
     assert [g["reward"] for g in got] == [1.0, 1.0, 0.0, 0.0]
     assert [g["format"] for g in got] == [1.0, 1.0, 1.0, 0.0]
+    # the first number is the whole number: " 7.5" is no 7; a full-width digit is no number here
+    got = b.arithmetic([""] * 3, [" 7.5", " -7", " ７"], [{"answer": "7"}, {"answer": "-7"}, {"answer": "7"}])
+    assert [(g["reward"], g["format"]) for g in got] == [(0.0, 1.0), (1.0, 1.0), (0.0, 0.0)]
 
 
 def test_math_verifies_symbolically() -> None:
