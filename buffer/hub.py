@@ -214,11 +214,11 @@ class Hub:
 
     def _drain(self, sock: zmq.Socket) -> None:
         while self._turn_items < self.hcfg.max_turn_items:
-            self._turn_items += 1
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
+            self._turn_items += 1  # (counted once it came: an empty read is no item of the turn)
             if len(frames) != 2:
                 self.rejects.reject("malformed", f"expected 2 frames, got {len(frames)}", frames[0])
                 continue
