@@ -8,6 +8,7 @@ arrive over the process group (gloo on CPUs, NCCL on GPUs), one bucket at a time
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -96,10 +97,16 @@ class WeightReceiverExtension:
         return group
 
     def _flywheel_finalize_reload(self) -> None:
-        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+        """vLLM's finalize step of an in-place reload. Where it cannot run (a vLLM laid out
+        otherwise), the load still counts as ``touched``: the generator serves nothing until a
+        sync succeeds."""
+        try:
+            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-        runner = self.model_runner  # type: ignore[attr-defined]
-        finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
+            runner = self.model_runner  # type: ignore[attr-defined]
+            finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
+        except Exception as err:  # (reported with the load's own error; nothing more to do here)
+            logging.getLogger(__name__).error("could not finalize the failed reload: %s: %s", type(err).__name__, err)
 
     def _flywheel_drop_group(self) -> None:
         if self._flywheel_group is not None:
