@@ -836,6 +836,15 @@ class FlywheelConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _task_prompts_are_raw_text(self) -> FlywheelConfig:
+        if self.task.name != "none" and self.data.apply_chat_template:
+            raise ValueError(
+                f"task.name {self.task.name} writes raw-text prompts, which its warm start and evaluation use as they "
+                "are: drop --data.apply_chat_template (or train on your own data.path with task.name none)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _prompts_leave_room_to_answer(self) -> FlywheelConfig:
         limit = self.generator.max_model_len
         if limit is not None and self.data.max_prompt_tokens >= limit:

@@ -79,6 +79,12 @@ def test_prompts_that_leave_no_room_to_answer_are_refused() -> None:
     assert load_config(["--generator.max_model_len", "1024", "--data.max_prompt_tokens", "768"])
 
 
+def test_a_generated_task_with_a_chat_template_is_refused() -> None:
+    # RL would sample chat-formatted prompts while the warm start and the evaluation use raw text
+    with pytest.raises(ConfigError, match="task.name arithmetic writes raw-text prompts"):
+        load_config(["--task.name", "arithmetic", "--data.apply_chat_template", "true"])
+
+
 def test_a_kl_term_with_no_gradient_is_refused() -> None:
     # k1 in the loss: its gradient is the score function, 0 in expectation
     with pytest.raises(ConfigError, match=r"algo.kl.estimator k1 in the loss penalises nothing"):
