@@ -354,7 +354,8 @@ class Hub:
                 "unregistered_generator", f"heartbeat from {msg.generator_id!r} before Register", identity
             )
             if identity == msg.generator_id.encode():  # e.g. evicted while frozen: let it come back
-                self._after_flush(self.gen_sock, identity, RegisterAgain(generator_id=msg.generator_id))
+                again = RegisterAgain(generator_id=msg.generator_id, registration=msg.registration)
+                self._after_flush(self.gen_sock, identity, again)
             return
         now = time.monotonic()
         gen.last_seen = now

@@ -143,10 +143,12 @@ class Heartbeat(Message, tag=True):
     weight_version: int  # version now served (changes after a weight sync)
     lease_ids: list[int] = []  # leases still running on this generator
     draining: bool = False  # shutting down: send no new leases
+    registration: int = 0  # how many Registers its sender had sent (a RegisterAgain echoes it)
 
     def check(self) -> None:
         _require(0 < len(self.generator_id) <= 128, "generator_id", "must be 1..128 characters")
         _check_nonneg(self.weight_version, "weight_version")
+        _check_nonneg(self.registration, "registration")
         _require(len(self.lease_ids) <= 65536, "lease_ids", "too many lease ids")
 
 
@@ -327,6 +329,9 @@ class RegisterAgain(Message, tag=True):
     gone; send Register again to get new ones."""
 
     generator_id: str
+    # the registration of the heartbeat it answers: one answering a heartbeat sent before the
+    # generator's last Register is stale (-1: a hub that does not say)
+    registration: int = -1
 
 
 # --------------------------------------------------------------------------- hub ↔ reward service

@@ -106,12 +106,14 @@ class HubLink:
         self.lease_ids: set[int] = set()
         self.draining = False
         self._registered_at = 0.0
+        self.registrations = 0  # Registers sent: heartbeats carry it, a RegisterAgain echoes it
         self.ack_latency_s: list[float] = []  # send -> ack of each chunk: its chunk-to-durable time
         self.resent = 0
 
     def register(self, weight_version: int) -> None:
         self.weight_version = weight_version
         self._registered_at = time.monotonic()
+        self.registrations += 1
         self._send(
             encode(
                 Register(
@@ -134,6 +136,7 @@ class HubLink:
                         weight_version=self.weight_version,
                         lease_ids=sorted(self.lease_ids),
                         draining=self.draining,
+                        registration=self.registrations,
                     )
                 )
             )
@@ -245,8 +248,7 @@ class HubLink:
                 self.lease_ids.difference_update(msg.lease_ids)
                 self.forget_chunks(msg.lease_ids)
                 inbox.revoked.extend(msg.lease_ids)
-            elif isinstance(msg, RegisterAgain) and time.monotonic() - self._registered_at > 2 * self.heartbeat_s:
-                # (a RegisterAgain answering a heartbeat sent before our last Register is stale)
+            elif isinstance(msg, RegisterAgain) and not self._stale(msg):
                 # The hub evicted us (we were silent too long): it re-issued our leases already.
                 log.warning(
                     "the hub no longer knows this generator: registering again, dropping %d leases", len(self.lease_ids)
@@ -254,6 +256,13 @@ class HubLink:
                 inbox.revoked.extend(self.lease_ids)
                 self.lease_ids.clear()
                 self.register(self.weight_version)
+
+    def _stale(self, again: RegisterAgain) -> bool:
+        """A RegisterAgain answering a heartbeat sent before our last Register: the hub knows us
+        again already, and registering once more would make it re-issue our new leases."""
+        if again.registration >= 0:
+            return again.registration < self.registrations
+        return time.monotonic() - self._registered_at <= 2 * self.heartbeat_s  # (a hub that does not echo)
 
     def _on_rejected(self, rej: ChunkRejection, inbox: Inbox) -> None:
         """A chunk the hub refused for good: not resent; and if the hub says its lease is no

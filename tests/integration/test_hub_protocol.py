@@ -206,6 +206,27 @@ def test_a_rejected_chunk_of_a_samples_old_lease_leaves_its_new_lease_alone(clus
     g.close()
 
 
+def test_a_register_again_answering_a_heartbeat_sent_before_the_last_register_is_ignored(cluster: Cluster) -> None:
+    """Evicted, a generator's next heartbeats each get a RegisterAgain. It registers at the first;
+    the others answer heartbeats sent before that Register, and a second Register would make the
+    hub re-issue its new leases. The hub now echoes the heartbeat's registration count, so they
+    are told apart whatever the timing (a time guard of two heartbeat periods did it before)."""
+    cluster.start_hub("--hub.generator_timeout_s", "1", "--async.groups_per_step", "1")
+    g = HandGenerator(cluster.gen_address, "gen-evicted", capacity=1)
+    g.register()
+    g.wait_lease()
+    g.link.heartbeat_s = 0.0  # (the old guard: a RegisterAgain later than two periods counts)
+    wait_until(lambda: metrics(cluster).get("flywheel_hub_generators_evicted_total", 0) == 1, 15, "the eviction")
+    g.link.heartbeat(force=True)
+    g.link.heartbeat(force=True)  # two heartbeats of registration 1: two RegisterAgains
+    time.sleep(1.0)  # both answers wait at the generator's socket
+    g.pump(1.0, heartbeat=False)
+    wait_until(lambda: metrics(cluster).get("flywheel_hub_generator_registrations_total", 0) == 2, 10, "2 Registers")
+    time.sleep(0.5)
+    assert metrics(cluster).get("flywheel_hub_generator_registrations_total", 0) == 2
+    g.close()
+
+
 def test_lease_past_its_deadline_is_revoked_and_reissued(cluster: Cluster) -> None:
     cluster.start_hub(
         "--hub.lease_timeout_s",
