@@ -63,15 +63,23 @@ def math_answer(
     # the main thread (a float made it fail inside, and score every sample 0)
     timeout = max(1, math.ceil(timeout_s)) if threading.current_thread() is threading.main_thread() else None
     latex = [LatexExtractionConfig()]
+    golds: dict[str, Any] = {}  # a group's samples share their reference: parsed once a batch
+
+    def reference(text: str) -> Any:
+        if len(text) > 1 and text[0] == text[-1] == "$":
+            text = text[1:-1]
+        boxed = text if "\\boxed" in text else "\\boxed{" + text + "}"
+        gold = parse(boxed, extraction_config=latex, parsing_timeout=timeout)
+        if not gold:
+            raise ValueError(f"math: the reference answer {text!r} does not parse as LaTeX")
+        return gold
+
     out = []
     for completion, meta in zip(completions, metadata, strict=True):
         gold_text = _answer(meta, answer_key)
-        if len(gold_text) > 1 and gold_text[0] == gold_text[-1] == "$":
-            gold_text = gold_text[1:-1]
-        boxed = gold_text if "\\boxed" in gold_text else "\\boxed{" + gold_text + "}"
-        gold = parse(boxed, extraction_config=latex, parsing_timeout=timeout)
-        if not gold:
-            raise ValueError(f"math: the reference answer {gold_text!r} does not parse as LaTeX")
+        if gold_text not in golds:
+            golds[gold_text] = reference(gold_text)
+        gold = golds[gold_text]
         pred = parse(_final_answer(completion), parsing_timeout=timeout)
         out.append(float(bool(pred) and verify(gold, pred, timeout_seconds=timeout)))
     return out
@@ -120,7 +128,8 @@ def exact_match(
         got, want = " ".join(text.split()), " ".join(_answer(meta, answer_key).split())
         if ignore_case:
             got, want = got.lower(), want.lower()
-        same = got == want or (_number(got) is not None and _number(got) == _number(want))
+        number = _number(got)
+        same = got == want or (number is not None and number == _number(want))
         out.append(float(bool(got) and same))
     return out
 
