@@ -45,24 +45,32 @@ def math_answer(
     timeout_s: float = 5,
     **_: Any,
 ) -> list[float]:
-    """Math answer verification with ``math-verify``: the completion's final answer (a
-    ``\\boxed{}`` or the last expression) equals the reference symbolically (1/2 == 0.5).
+    """Math answer verification with ``math-verify``: the completion's final answer equals the
+    reference symbolically (1/2 == 0.5).
 
     The reference is read as LaTeX in a ``\\boxed{}`` (as verl does): bare, ``3\\sqrt{2}`` read
-    as 3 and ``\\sqrt{2}`` as nothing. The answer is looked for after the reasoning: in the last
-    ``<answer>…</answer>`` when there is one, else after the last ``</think>``.
+    as 3 and ``\\sqrt{2}`` as nothing. The answer is the last ``<answer>…</answer>`` block when
+    there is one, else what follows the last ``</think>``, else a completion that is nothing but
+    an expression (``12``, ``$x^2+1$``: the prompt asked for the bare answer). Prose with none of
+    these must state its answer (a ``\\boxed{}``, or "the answer is …", as Open-R1 asks): its
+    last number is no answer, it may be a step of the reasoning.
 
     >>> math_answer(["1/2 + 0?"], ["So the result is $\\\\boxed{0.5}$."], [{"answer": "\\\\frac{1}{2}"}])
     [1.0]
     >>> math_answer(["?"], ["\\\\boxed{3}"], [{"answer": "3\\\\sqrt{2}"}])
     [0.0]
     """
-    from math_verify import LatexExtractionConfig, parse, verify
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     # math-verify bounds its sympy work with SIGALRM, which takes whole seconds and exists only in
     # the main thread (a float made it fail inside, and score every sample 0)
     timeout = max(1, math.ceil(timeout_s)) if threading.current_thread() is threading.main_thread() else None
     latex = [LatexExtractionConfig()]
+    latex_expr = [LatexExtractionConfig(), ExprExtractionConfig()]  # math-verify's default
+    only_stated = [
+        LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False),
+        ExprExtractionConfig(try_extract_without_anchor=False),
+    ]
     golds: dict[str, Any] = {}  # a group's samples share their reference: parsed once a batch
 
     def reference(text: str) -> Any:
@@ -80,21 +88,27 @@ def math_answer(
         if gold_text not in golds:
             golds[gold_text] = reference(gold_text)
         gold = golds[gold_text]
-        pred = parse(_final_answer(completion), parsing_timeout=timeout)
+        stated, anchored = _final_answer(completion)
+        pred = parse(stated, extraction_config=latex_expr if anchored else only_stated, parsing_timeout=timeout)
         out.append(float(bool(pred) and verify(gold, pred, timeout_seconds=timeout)))
     return out
 
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
+_PROSE = re.compile(r"[^\W\d_]{2,}")  # a word of two letters or more (x^2 is no prose, \frac no word)
 
 
-def _final_answer(completion: str) -> str:
-    """Where a completion states its answer: the last ``<answer>`` block, else what follows the
-    last ``</think>`` (a number in the reasoning is no answer), else the whole completion."""
+def _final_answer(completion: str) -> tuple[str, bool]:
+    """Where a completion states its answer, and whether that place holds nothing else: the last
+    ``<answer>`` block, else what follows the last ``</think>`` (a number in the reasoning is no
+    answer), else the whole completion (marked off when it is no prose, only an expression)."""
     tagged = _ANSWER_TAG.findall(completion)
     if tagged:
-        return str(tagged[-1])
-    return completion.rpartition("</think>")[2] if "</think>" in completion else completion
+        return str(tagged[-1]), True
+    if "</think>" in completion:
+        return completion.rpartition("</think>")[2], True
+    return completion, not _PROSE.search(_LATEX_COMMAND.sub(" ", completion))
 
 
 @register("exact_match")

@@ -37,6 +37,21 @@ def test_math_verifies_symbolically() -> None:
     assert b.math_answer([""], ["$x^2+2x+1$"], [{"answer": "(x+1)^2"}]) == [1.0]
 
 
+def test_math_takes_no_number_of_the_reasoning_for_the_answer() -> None:
+    """Prose with no <answer> block and no </think> must state its answer (boxed, or "the answer
+    is"): its last number may be a step of the reasoning (here 12 = 3 * 4)."""
+    unstated = ["I will add 5 to 3 * 4 = 12", "Adding: $3 \\cdot 4 = 12$"]
+    assert b.math_answer([""] * 2, unstated, [{"answer": "12"}] * 2) == [0.0, 0.0]
+    stated = [
+        "3 * 4 = 12, plus 5: $\\boxed{17}$",
+        "so the final answer is 17",
+        "<answer>17</answer>",
+        "</think>17",
+        " 17",
+    ]
+    assert b.math_answer([""] * 5, stated, [{"answer": "17"}] * 5) == [1.0] * 5
+
+
 def test_math_reads_latex_references_and_the_stated_answer() -> None:
     """The reference is parsed as LaTeX in a box: bare, 3\\sqrt{2} read as 3 (a wrong \\boxed{3}
     scored 1) and \\sqrt{2} as nothing (a right answer scored 0). The answer is the last
