@@ -536,7 +536,10 @@ class AlgoConfig(_Section):
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty.")
     entropy_coef: float = Field(0.0, ge=0, le=10, description="Entropy bonus coefficient.")
     dynamic_filtering: bool = Field(
-        False, description="Skip groups whose rewards are all equal (no advantage signal), as DAPO does."
+        False,
+        description="Skip groups whose rewards are all equal (no advantage signal), as DAPO does. A batch with "
+        "no other group takes no step: the learner logs it and counts it in the next step's "
+        "batch/skipped_without_signal.",
     )
     critic: CriticConfig = Field(default_factory=CriticConfig, description="Value model (PPO).")
 

@@ -150,6 +150,7 @@ class Trainer:
         # hooks gather and release weights inside the layers).
         self.compile_regions = self.on_gpu and cfg.ds.zero_stage < 3
         self._compiled = False
+        self._batches_without_signal = 0  # claimed since the last step, every group filtered out
         self.critic = self._build_critic(conf) if cfg.algo.critic.enabled else None
         self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
         t = cfg.train
@@ -281,8 +282,9 @@ class Trainer:
                 self.claims.claim_ahead(self.version + 1)  # loads while this step trains
             stats = self.train_step(batch)
             self.client.note_finished(len(batch.groups), trained=stats is not None)
-            if stats is None:
-                continue  # every group was filtered out: no signal, no step
+            if stats is None:  # every group was filtered out: no signal, no step
+                self._note_batch_without_signal(batch)
+                continue
             self.version += 1
             stats.version = self.version
             if self.rank == 0:
@@ -294,13 +296,29 @@ class Trainer:
             step_s = time.perf_counter() - t0
             stats.metrics.update(
                 {
+                    "batch/skipped_without_signal": float(self._batches_without_signal),
                     "perf/step_s": step_s,
                     "perf/idle_frac": waited / step_s,
                     "perf/tokens_per_s": stats.metrics["perf/tokens"] / max(step_s - waited, 1e-9),
                     "watchdog/overdue": float(sum(WATCHDOG.overdue.values())),
                 }
             )
+            self._batches_without_signal = 0
             reporter(stats)
+
+    def _note_batch_without_signal(self, batch: Batch) -> None:
+        """Say so, or a run whose groups are all solved (or all failed) goes silent: no step, no
+        metrics row. The count rides on the next step's metrics."""
+        self._batches_without_signal += 1
+        rewards = [s.reward for g in batch.groups for s in g.samples]
+        log.info(
+            "the batch claimed at v%d has no signal (every group's samples share one reward; mean reward "
+            "%.3f over %d groups on this rank): no step; %d such batches since the last step",
+            self.version,
+            float(np.mean(rewards)) if rewards else float("nan"),
+            len(batch.groups),
+            self._batches_without_signal,
+        )
 
     def _last_step(self, total: int) -> int:
         """``total``, or sooner when ``flywheel finish`` asked (read before every step: every

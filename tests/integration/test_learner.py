@@ -354,3 +354,16 @@ def test_a_learner_whose_settings_differ_from_its_hubs_refuses_to_start(cluster:
     assert out.returncode == 2, out.stderr[-2000:]
     assert "rollout.temperature is 1.0 here but 0.7 at the run's hub: pass --rollout.temperature 0.7" in out.stderr
     assert "n_samples_per_prompt" not in out.stderr  # that one agrees
+
+
+def test_batches_without_signal_are_said_and_counted(cluster: Cluster, checkpoint_dir: Path) -> None:
+    """With dynamic filtering, a batch whose every group shares one reward takes no step. The
+    learner says so (a run whose groups were all solved went silent: no step, no metrics row)."""
+    cluster.start_hub(*HUB, "--async.max_staleness", "1")
+    cluster.start_reward("--reward.functions", "format")  # random tokens: every sample scores 0
+    cluster.start_simgen("sim", "--min-len", "4", "--max-len", "16", "--tokens-per-s", "3000")
+    learner = start_learner(cluster, checkpoint_dir, 1, "--algo.dynamic_filtering", "true", "--train.total_steps", "2")
+    said = "has no signal (every group's samples share one reward; mean reward 0.000 over 2 groups on this rank)"
+    wait_until(lambda: learner.log_path.read_text().count(said) >= 2, 240, "two batches said to have no signal")
+    assert "2 such batches since the last step" in learner.log_path.read_text()
+    learner.stop()
