@@ -162,6 +162,7 @@ def learn(
     staleness: dict[int, int] = {}
     start = fleet0 = hub_cpu0 = None
     counters0: dict[str, int] = {}
+    waits: list[float] = []  # the learner's wait for each measured step's batch
     # Sync steps all look alike (each waits for its batch's longest response), so fewer of them
     # measure it, after less warm-up (the first batch is the only one unlike the rest); async
     # ones need more: their buffer fills over tens of steps, and the learner's idle share is what
@@ -178,6 +179,8 @@ def learn(
         t = time.monotonic()
         batch = claims.claim(version)
         waited += time.monotonic() - t
+        if version >= warmup:
+            waits.append(time.monotonic() - t)
         if version + 1 < warmup + steps:
             claims.claim_ahead(version + 1)  # as the learner does: loads while the step trains
         tokens = sum(len(s.tokens) for g in batch.groups for s in g.samples)
@@ -209,6 +212,9 @@ def learn(
         "wall_s": wall,
         "step_s": wall / steps,
         "learner_idle_frac": waited / wall,
+        # each measured step's wait: whether the idle share is a transient (the buffer filling)
+        # or spread over the run
+        "step_waits_s": [round(w, 4) for w in waits],
         # running sequences over the fleet's nominal slots (above 1: oversubscribed, slower steps)
         "fleet_occupancy": (fleet1["busy_seq_s"] - fleet0["busy_seq_s"]) / max(window * fleet_seqs, 1e-9),
         "fleet_tokens_per_s": (fleet1["tokens"] - fleet0["tokens"]) / max(window, 1e-9),

@@ -102,6 +102,7 @@ class Hub:
         self.learner_version = 0
         self.groups_issued = 0
         self.groups_dropped = 0
+        self.versions_without_batch = 0  # versions that trained no batch: admission takes them off v
         self.claim_floor = -1  # the oldest version the learner's newest claim accepted (flywheel.store)
         self._admission_said_no = False
         self._blocked_at: float | None = None
@@ -262,8 +263,8 @@ class Hub:
             self._read_learner_state(self._pipe)
             write_started = time.monotonic()
             with WATCHDOG.wait("hub write to Redis", self.cfg.run.watchdog_s):
-                *_, version, dropped, claim_floor, to_reap = self._pipe.execute()
-            self._note_learner_state(version, dropped, claim_floor, to_reap)
+                *_, version, dropped, claim_floor, to_reap, without_batch = self._pipe.execute()
+            self._note_learner_state(version, dropped, claim_floor, to_reap, without_batch)
             self._refreshed = self._turn_started
             if self._acks:
                 now = time.monotonic()
@@ -626,11 +627,18 @@ class Hub:
         pipe.hget(self.keys.counters, "groups_dropped")
         pipe.get(self.keys.claim_floor)
         pipe.llen(self.keys.dropped)
+        pipe.hget(self.keys.counters, "versions_without_batch")
 
     def _note_learner_state(
-        self, version: bytes | None, dropped: bytes | None, claim_floor: bytes | None, to_reap: int
+        self,
+        version: bytes | None,
+        dropped: bytes | None,
+        claim_floor: bytes | None,
+        to_reap: int,
+        versions_without_batch: bytes | None,
     ) -> None:
         self.learner_version = int(version or 0)
+        self.versions_without_batch = int(versions_without_batch or 0)
         self.groups_dropped = int(dropped or 0)
         self.claim_floor = int(claim_floor or -1)
         self._to_reap = int(to_reap)
@@ -859,7 +867,9 @@ class Hub:
             lease = self.leases.get(self.unassigned.popleft())
             if lease is not None:
                 return lease
-        if not self.policy.may_issue(self.groups_issued, self.groups_dropped, self.learner_version):
+        if not self.policy.may_issue(
+            self.groups_issued, self.groups_dropped, self.learner_version, self.versions_without_batch
+        ):
             self._admission_said_no = True
             return None
         group = self._issue_group()

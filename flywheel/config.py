@@ -574,6 +574,13 @@ class TrainConfig(_Section):
     checkpoint_dir: str | None = Field(None, description="DeepSpeed checkpoints (plus the version) go here.")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint every this many steps (0: only at the end).")
     resume: bool = Field(False, description="Resume from the latest checkpoint in checkpoint_dir, if there is one.")
+    keep_checkpoints: int = Field(
+        3,
+        ge=0,
+        description="Checkpoints kept in checkpoint_dir, the newest; older ones (and saves a kill left unfinished) "
+        "are deleted once a newer one is complete (0: keep all). Each holds the optimizer state: 12 bytes a "
+        "parameter with AdamW.",
+    )
     standby_file: str | None = Field(
         None,
         description="Start as the standby learner (the launcher sets it, launch.standby_learner): import what a "
@@ -860,12 +867,35 @@ class FlywheelConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _ranks_share_the_batch_evenly(self) -> FlywheelConfig:
+        ranks, groups = self.launch.learner_procs, self.async_.groups_per_step
+        if groups % ranks:
+            raise ValueError(_uneven_batch(groups, ranks, "launch.learner_procs"))
+        return self
+
+    @model_validator(mode="after")
     def _data_needs_tokenizer(self) -> FlywheelConfig:
         if self.data.path is not None and self.data.tokenizer is None:
             raise ValueError(
                 "data.tokenizer is required when data.path is set: pass --data.tokenizer PATH (an HF tokenizer directory)"
             )
         return self
+
+
+def _uneven_batch(groups: int, ranks: int, ranks_key: str) -> str:
+    """Why a batch must split evenly over the learner's ranks, and the fix."""
+    return (
+        f"async.groups_per_step {groups} does not split over {ranks} learner ranks ({ranks_key}): each rank claims "
+        "groups_per_step / ranks groups, and the hub admits groups_per_step a version, so the ranks would claim more "
+        "than it admits (the run stalls) or fewer (the rest pile up and age to the bound). Use a multiple of "
+        f"{ranks} (e.g. --async.groups_per_step {max(ranks, groups - groups % ranks)})"
+    )
+
+
+def check_batch_split(groups: int, ranks: int) -> None:
+    """The learner's own check, for ranks started by hand (``torchrun -m learner``)."""
+    if groups % ranks:
+        raise ConfigError(_uneven_batch(groups, ranks, "WORLD_SIZE"))
 
 
 # --------------------------------------------------------------------------- loading

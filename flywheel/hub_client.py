@@ -31,6 +31,7 @@ from flywheel.store import (
     FINISHED_SCRIPT,
     META,
     RELEASE_UNTRAINED_SCRIPT,
+    VERSIONS_WITHOUT_BATCH_SCRIPT,
     GroupMeta,
     RunKeys,
     SampleDone,
@@ -129,6 +130,7 @@ class BatchClient:
         self._call_ids = itertools.count()
         self._client_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._release_untrained = client.register_script(RELEASE_UNTRAINED_SCRIPT)
+        self._versions_without_batch = client.register_script(VERSIONS_WITHOUT_BATCH_SCRIPT)
         # Every group id this client claimed, one line per claim, written unbuffered before the
         # data is read: an audit (tests/chaos) checks no group was ever served twice.
         self._claims_log = os.open(claims_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if claims_log else None
@@ -175,6 +177,17 @@ class BatchClient:
         """At a learner's (re)start: release to admission every group claimed before and never
         trained on (``RELEASE_UNTRAINED_SCRIPT``); returns how many."""
         return int(self._retry(lambda: self._release_untrained(keys=[self.keys.counters]), "releasing lost claims"))
+
+    def count_versions_without_batch(self, version: int) -> int:
+        """At a learner's (re)start, after ``release_untrained``: record how many versions up to
+        ``version`` hold no trained batch, which the hub's admission takes off the version
+        (``VERSIONS_WITHOUT_BATCH_SCRIPT``); returns it."""
+        args = [version, self.policy.groups_per_step]
+        return int(
+            self._retry(
+                lambda: self._versions_without_batch(keys=[self.keys.counters], args=args), "counting trained versions"
+            )
+        )
 
     def release_claimed(self) -> int:
         """At a learner rank's (re)start, before its first claim: delete the data of the groups

@@ -383,6 +383,14 @@ class LocalLaunch:
 
     def _warm_start(self, model: str) -> str:
         out = self.run_dir / "sft_model"
+        done = out / "warm_start.json"
+        if self.cfg.train.resume and done.exists():
+            # A resumed run keeps its warm start: it is the KL reference and the start the
+            # report's accuracy is measured from, and a second one (not bit-identical on a GPU)
+            # would change both under the run's feet.
+            self.eval_start = json.loads(done.read_text())["eval"]
+            self.console.print(f"warm start: kept from the run being resumed ({out})")
+            return str(out)
         what = "random answers: the format only" if self.cfg.sft.format_only else "reference answers"
         self.console.print(f"warm start: {self.cfg.sft.steps} supervised steps ({what}) ...")
         svc = self._service("sft", "learner.sft", "--out", str(out), *self._flags("--train.model", model))
@@ -455,6 +463,11 @@ class LocalLaunch:
             flags = self._flags("--train.run_dir", run_dir, "--train.export_dir", export)
             if cfg.launch.restart and not cfg.train.checkpoint_dir:  # a restarted learner resumes from here
                 flags += ["--train.checkpoint_dir", str(self.run_dir / "checkpoints")]
+            if cfg.launch.restart and not cfg.train.checkpoint_every:
+                log.warning(
+                    "train.checkpoint_every is 0: a learner that crashes cannot be restarted (it would start over "
+                    "from the initial weights, which it refuses); set --train.checkpoint_every N to make it resumable"
+                )
             procs = cfg.launch.learner_procs
             env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(cfg.launch.learner_threads))}
             if procs == 1:

@@ -71,13 +71,19 @@ class StalenessPolicy:
         a learner restarted at an older version: it counts only up to the next version's."""
         return max(self.min_version(learner_version), min(claim_floor, self.min_version(learner_version + 1)))
 
-    def admission_limit(self, learner_version: int) -> int:
-        """How many groups may be issued (net of drops) while the learner is at this version."""
-        return (learner_version + self.max_staleness + 1) * self.groups_per_step
+    def admission_limit(self, learner_version: int, versions_without_batch: int = 0) -> int:
+        """How many groups may be issued (net of drops) while the learner is at this version.
 
-    def may_issue(self, groups_issued: int, groups_dropped: int, learner_version: int) -> bool:
+        ``versions_without_batch``: versions up to it that trained no batch (a learner resumed
+        past the published version, or on a Redis that lost the run's counters): v counts the
+        batches trained, which the bound assumes."""
+        return (learner_version - versions_without_batch + self.max_staleness + 1) * self.groups_per_step
+
+    def may_issue(
+        self, groups_issued: int, groups_dropped: int, learner_version: int, versions_without_batch: int = 0
+    ) -> bool:
         """Admission: lease a new group only while issued - dropped < (v + η + 1) · groups_per_step."""
-        return groups_issued - groups_dropped < self.admission_limit(learner_version)
+        return groups_issued - groups_dropped < self.admission_limit(learner_version, versions_without_batch)
 
     def staleness(self, learner_version: int, sample_version: int) -> int:
         return learner_version - sample_version

@@ -250,6 +250,22 @@ end
 return 0
 """
 
+# At a learner's start, after RELEASE_UNTRAINED_SCRIPT: how many versions hold no trained batch.
+# Admission bounds the groups in flight by (v + η + 1) · groups_per_step, which holds only while
+# the groups trained number v · groups_per_step; a learner resumed behind the published version
+# continues one version past it (a version names one set of weights), and one resumed on a
+# Redis that lost the run's counters starts at its checkpoint's version with none trained. The
+# hub takes these versions off v when it admits, or each such start would keep one more batch
+# in flight for the rest of the run.
+VERSIONS_WITHOUT_BATCH_SCRIPT = """
+local c = redis.call('HMGET', KEYS[1], 'groups_finished', 'groups_filtered_out', 'groups_lost_with_learner')
+local trained = tonumber(c[1] or '0') - tonumber(c[2] or '0') - tonumber(c[3] or '0')
+local skipped = tonumber(ARGV[1]) - math.floor(trained / tonumber(ARGV[2]))
+if skipped < 0 then skipped = 0 end
+redis.call('HSET', KEYS[1], 'versions_without_batch', skipped)
+return skipped
+"""
+
 # A learner done with a claimed batch counts it once, however often the call is retried (a
 # reply lost to a Redis restart): the first call sets the claim's ``done`` marker, a repeat
 # finds it and counts nothing. Counted twice, ``groups_finished`` would hide a learner's lost

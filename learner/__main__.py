@@ -95,6 +95,7 @@ def train(cfg: FlywheelConfig) -> int:
     try:
         if cfg.train.resume:
             trainer.load_checkpoint()
+        trainer.take_over_run()
         trainer.run()
     finally:
         trainer.close()
@@ -129,7 +130,23 @@ def _preflight(cfg: FlywheelConfig) -> list[str]:
             f"run {cfg.run.name!r} is already at version {published} in {cfg.redis.url}: continue it with "
             "--train.resume true, start another with a new --run.name, or delete its keys (fw:{NAME}:*)"
         )
+    if published and cfg.train.resume and not _has_checkpoint(cfg.train.checkpoint_dir):
+        # Within the first checkpoint_every steps, starting over from the initial weights loses
+        # no more than a resume from a checkpoint would; past them, no checkpoint means a wrong
+        # directory or none ever written, and the run's steps would be lost without a word.
+        every = cfg.train.checkpoint_every
+        if not every or published > every:
+            problems.append(
+                f"run {cfg.run.name!r} is at version {published}, but train.checkpoint_dir "
+                f"({cfg.train.checkpoint_dir}) holds no checkpoint to resume from: this learner would start over from "
+                "the initial weights and lose those steps. Point --train.checkpoint_dir at the run's checkpoints, "
+                "or start a new --run.name; set --train.checkpoint_every N so that a restarted learner can resume"
+            )
     return problems
+
+
+def _has_checkpoint(directory: str | None) -> bool:
+    return directory is not None and (Path(directory) / "latest").exists()
 
 
 def main(argv: list[str] | None = None) -> int:

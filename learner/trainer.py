@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from flywheel.config import FlywheelConfig
+from flywheel.config import FlywheelConfig, check_batch_split
 from flywheel.hub_client import Batch, BatchClient, BatchTimeout, ClaimsAhead
 from flywheel.netsec import redis_client
 from flywheel.staleness import StalenessPolicy
@@ -175,7 +176,8 @@ class Trainer:
             redis_outage_s=cfg.redis.connect_timeout_s,
             owner=str(rank),
         )
-        n_groups = max(1, cfg.async_.groups_per_step // self.world)
+        check_batch_split(cfg.async_.groups_per_step, self.world)
+        n_groups = cfg.async_.groups_per_step // self.world
         self.claims = ClaimsAhead(self.client, n_groups, cfg.train.batch_timeout_s)
         self.broadcaster = None
         if rank == 0:
@@ -277,18 +279,28 @@ class Trainer:
         while self.version < (total := self._last_step(total)):
             t0 = time.perf_counter()
             batch = self.claim()
+            # Every rank holds its batch before any claims ahead: a claim for the next version
+            # drops (and has the hub revoke) what is too stale for it, which a rank still waiting
+            # may need at this one.
+            self._agree_max(0)
             waited = time.perf_counter() - t0
             if self.version + 1 < total:
                 self.claims.claim_ahead(self.version + 1)  # loads while this step trains
             stats = self.train_step(batch)
-            self.client.note_finished(len(batch.groups), trained=stats is not None)
             if stats is None:  # every group was filtered out: no signal, no step
+                self.client.note_finished(len(batch.groups), trained=False)
                 self._note_batch_without_signal(batch)
                 continue
             self.version += 1
             stats.version = self.version
             if self.rank == 0:
                 self.client.set_version(self.version)
+            # The version is out before any rank counts its groups trained: a learner lost in
+            # between restarts behind the published version and releases them as untrained; the
+            # other order would count a step that no checkpoint holds, and admission would stay
+            # that many groups short for the rest of the run.
+            self._agree_max(0)
+            self.client.note_finished(len(batch.groups), trained=True)
             if self.version % self.cfg.async_.sync_every == 0 or self.version == total:
                 self.sync_weights(wait=self.version == total)  # the last one is waited for
             if self.cfg.train.checkpoint_every and self.version % self.cfg.train.checkpoint_every == 0:
@@ -842,12 +854,20 @@ class Trainer:
             # never names a version whose critic a kill left unwritten.
             if self.critic is not None:
                 self.critic.save_checkpoint(str(Path(directory) / "critic"), tag=f"v{self.version}")
-            self.engine.save_checkpoint(directory, tag=f"v{self.version}", client_state=state)
+            # `latest` only once every rank's shards are written: DeepSpeed has rank 0 write it
+            # before the ranks meet, so a rank lost in between would leave it naming a save that
+            # cannot load, on every restart.
+            self.engine.save_checkpoint(directory, tag=f"v{self.version}", client_state=state, save_latest=False)
+            self._agree_max(0)
+            if self.rank == 0:
+                write_atomically(Path(directory) / "latest", f"v{self.version}")
+                prune_checkpoints(Path(directory), self.version, self.cfg.train.keep_checkpoints)
         self.saved_version = self.version
         log.info("checkpoint v%d saved in %s", self.version, directory)
 
     def load_checkpoint(self) -> bool:
-        """Resume from the latest checkpoint, if any, and continue the version sequence."""
+        """Resume from the latest checkpoint, if any (``take_over_run`` then continues the
+        version sequence)."""
         directory = self.cfg.train.checkpoint_dir
         loaded = bool(directory) and (Path(str(directory)) / "latest").exists()
         if loaded:
@@ -858,6 +878,14 @@ class Trainer:
             if self.critic is not None:
                 self.critic.load_checkpoint(str(Path(str(directory)) / "critic"), tag=f"v{self.version}")
             log.info("resumed from %s at version %d", directory, self.version)
+        return loaded
+
+    def take_over_run(self) -> None:
+        """At every start, resumed or not, before the first claim: take the run's version
+        sequence and its claims over from whatever learner came before.
+
+        A fresh learner too: one that died in its first step published no version, yet its
+        claims hold admission's window until they are released."""
         # Every rank reads the published version before rank 0 publishes its own (the agreement is
         # a collective): a rank reading after would continue one version further than the others.
         published = self._agree_max(self.client.get_version())
@@ -878,9 +906,13 @@ class Trainer:
             lost = self.client.release_untrained()
             if lost:
                 log.warning("%d groups claimed before this start were never trained on: released to admission", lost)
+            skipped = self.client.count_versions_without_batch(self.version)
+            if skipped:
+                log.info(
+                    "%d versions up to v%d trained no batch: the hub's admission counts them out", skipped, self.version
+                )
         # No rank claims before that release: it counts every claim not yet finished as lost.
         self._agree_max(0)
-        return loaded
 
     # ------------------------------------------------------------------ reporting
 
@@ -916,3 +948,30 @@ def _plain_linear_head(model: torch.nn.Module) -> bool:
         return False
     config = getattr(model, "config", None)
     return not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``text`` in ``path``, whole or not at all (a kill mid-write leaves the old file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def prune_checkpoints(directory: Path, latest: int, keep: int) -> list[int]:
+    """Delete the checkpoints (``v{N}``, the critic's too) but the ``keep`` newest up to
+    ``latest``: older ones, and any a kill left half-written (they are never ``latest``, and a
+    resumed learner never saves their version again). Returns the versions deleted."""
+    if keep <= 0:
+        return []
+    versions = sorted(int(p.name[1:]) for p in directory.glob("v*") if p.is_dir() and p.name[1:].isdigit())
+    kept = [v for v in versions if v <= latest][-keep:]
+    gone = [v for v in versions if v not in kept]
+    for v in gone:
+        for where in (directory, directory / "critic"):
+            shutil.rmtree(where / f"v{v}", ignore_errors=True)
+    if gone:
+        log.info("deleted checkpoints %s (train.keep_checkpoints %d)", ", ".join(f"v{v}" for v in gone), keep)
+    return gone

@@ -53,6 +53,35 @@ def start_learner(cluster: Cluster, checkpoint: Path, world: int, *overrides: st
     return svc
 
 
+class CommandLog:
+    """Redis's MONITOR on a thread: the order in which the learner published its version
+    ("version") and counted a batch trained ("finished")."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        self.events: list[str] = []
+        self._monitor = redis.Redis.from_url(url).monitor().__enter__()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for entry in self._monitor.listen():
+                cmd = entry["command"]
+                if cmd.startswith("SET ") and cmd.split()[1].endswith(":version"):
+                    self.events.append("version")
+                elif cmd.startswith("HINCRBY ") and " groups_finished " in cmd:
+                    self.events.append("finished")
+        except (redis.ConnectionError, ValueError, OSError):
+            return  # closed by stop()
+
+    def stop(self) -> list[str]:
+        self._monitor.connection.disconnect()
+        self._thread.join(timeout=5)
+        return self.events
+
+
 def start_rollouts(cluster: Cluster, *hub_overrides: str) -> None:
     cluster.start_hub(*HUB, "--async.max_staleness", "1", *hub_overrides)
     cluster.start_reward()
@@ -68,6 +97,7 @@ def test_learner_trains_on_hub_batches(cluster: Cluster, checkpoint_dir: Path, s
     # ZeRO-2 on two ranks ends at a `flywheel finish` sent mid-run, not at train.total_steps:
     # both ranks must stop at the same step, or one would wait for the other's collective forever.
     finish_mid_run = (stage, world) == (2, 2)
+    commands = CommandLog(cluster.redis.url) if (stage, world) == (2, 1) else None
     learner = start_learner(
         cluster,
         checkpoint_dir,
@@ -90,6 +120,11 @@ def test_learner_trains_on_hub_batches(cluster: Cluster, checkpoint_dir: Path, s
         last = request_finish(r, "flywheel")
     assert learner.proc.wait(timeout=300) == 0, learner.tail(60)
     assert int(r.get(keys.version) or 0) == last  # one version per optimizer step
+    if commands is not None:
+        # each step's version goes out before its groups count as trained: a learner lost in
+        # between must come back behind the published version, with the groups released
+        order = [e for e in commands.stop() if e in ("version", "finished")]
+        assert order == ["version", "finished"] * last, order
     steps = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(1, last + 1))
     for s in steps:
@@ -335,6 +370,30 @@ def test_a_fresh_learner_refuses_a_run_redis_already_holds(redis_server: RedisSe
     )
     assert out.returncode == 2, out.stderr[-2000:]
     assert "run 'flywheel' is already at version 3" in out.stderr and "--train.resume true" in out.stderr
+    # resumed, with no checkpoint to resume from (none written, or the wrong directory): it
+    # would start over from the initial weights as version 4, the three steps lost in silence
+    resume = ["--train.resume", "true", "--train.checkpoint_dir", str(checkpoint_dir.parent / "no-checkpoints")]
+    for every, refused in (("0", True), ("2", True), ("5", False)):  # v3 within the first 5 steps: a normal loss
+        args = [*resume, "--train.checkpoint_every", every, "--train.total_steps", "3"]
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "learner",
+                "--train.model",
+                str(checkpoint_dir),
+                "--redis.url",
+                redis_server.url,
+                *args,
+            ],
+            cwd=ROOT,
+            env={**dict(__import__("os").environ), "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert (out.returncode == 2) == refused, (every, out.stderr[-2000:])
+        assert ("holds no checkpoint to resume from" in out.stderr) == refused, every
 
 
 def test_a_learner_whose_settings_differ_from_its_hubs_refuses_to_start(cluster: Cluster, checkpoint_dir: Path) -> None:
@@ -358,7 +417,11 @@ def test_a_learner_whose_settings_differ_from_its_hubs_refuses_to_start(cluster:
 
 def test_batches_without_signal_are_said_and_counted(cluster: Cluster, checkpoint_dir: Path) -> None:
     """With dynamic filtering, a batch whose every group shares one reward takes no step. The
-    learner says so (a run whose groups were all solved went silent: no step, no metrics row)."""
+    learner says so (a run whose groups were all solved went silent: no step, no metrics row).
+
+    The learner starts fresh where one died in its first step, holding a claim: it releases it
+    (only a resumed learner did, so admission stayed two groups short for good)."""
+    cluster.redis.client().hset(RunKeys("flywheel").counters, "groups_consumed", 2)
     cluster.start_hub(*HUB, "--async.max_staleness", "1")
     cluster.start_reward("--reward.functions", "format")  # random tokens: every sample scores 0
     cluster.start_simgen("sim", "--min-len", "4", "--max-len", "16", "--tokens-per-s", "3000")
@@ -366,4 +429,5 @@ def test_batches_without_signal_are_said_and_counted(cluster: Cluster, checkpoin
     said = "has no signal (every group's samples share one reward; mean reward 0.000 over 2 groups on this rank)"
     wait_until(lambda: learner.log_path.read_text().count(said) >= 2, 240, "two batches said to have no signal")
     assert "2 such batches since the last step" in learner.log_path.read_text()
+    assert "2 groups claimed before this start were never trained on" in learner.log_path.read_text()
     learner.stop()

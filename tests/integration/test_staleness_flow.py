@@ -315,3 +315,44 @@ def test_flywheel_finish_names_what_is_missing_and_stores_the_step(redis_server:
     assert redis_server.client().get(RunKeys("local").finish_at) is None
     out = finish(str(tmp_path), "--cancel")
     assert out.stdout.strip() == "no finish was requested", out.stdout + out.stderr
+
+
+def test_versions_that_trained_no_batch_do_not_widen_admission(redis_server: RedisServer) -> None:
+    """Admission's (v + η + 1) · groups_per_step assumes v batches trained. A learner resumed
+    behind the published version continues one past it, and one resumed on a Redis that lost the
+    run starts at its checkpoint's version with none trained: each kept one more batch in flight
+    for the rest of the run (at η = 0, a batch always generated to be dropped)."""
+    gps = 2
+    policy = StalenessPolicy(0, gps)
+    client = BatchClient(redis_server.client(), "jump", policy)
+    for v in range(3):  # three steps trained and published
+        client.redis.zadd(client.keys.ready, {str(v * gps + g): v for g in range(gps)})
+        batch, _ = client.try_claim(gps, v)
+        assert len(batch) == gps
+        client.set_version(v + 1)
+        client.note_finished(len(batch))
+    assert client.count_versions_without_batch(3) == 0
+    # the learner dies; its last checkpoint is v1, so the next continues as v4 (v2, v3 named the lost weights)
+    restarted = BatchClient(redis_server.client(), "jump", policy)
+    assert restarted.release_untrained() == 0
+    assert restarted.count_versions_without_batch(4) == 1
+    skipped = int(restarted.redis.hget(restarted.keys.counters, "versions_without_batch") or 0)
+    assert policy.admission_limit(4, skipped) == policy.admission_limit(3) == 8  # not 10
+    # a checkpoint at v5 resumed on a Redis that holds nothing of the run
+    fresh = BatchClient(redis_server.client(), "fresh-redis", policy)
+    assert fresh.count_versions_without_batch(5) == 5
+    assert policy.admission_limit(5, 5) == gps, "one step of groups before the first update, as at the start"
+
+
+def test_the_hub_takes_versions_without_a_batch_off_admission(cluster: Cluster) -> None:
+    """The hub reads the count the learner records and admits by it: at v3 with three versions
+    that trained nothing, η = 0 admits one step of groups, not four."""
+    client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(0, 1))
+    client.set_version(3)
+    client.redis.hset(client.keys.counters, "versions_without_batch", 3)
+    cluster.start_hub("--async.max_staleness", "0", "--async.groups_per_step", "1", "--data.n_samples_per_prompt", "2")
+    gen = HandGenerator(cluster.gen_address, "hand", capacity=8)
+    gen.register(version=3)
+    gen.wait_lease()
+    gen.pump(1.0)  # many turns: any lease admission allows has come
+    assert len({lease.group_id for lease in gen.leases}) == 1

@@ -79,6 +79,22 @@ def test_prompts_that_leave_no_room_to_answer_are_refused() -> None:
     assert load_config(["--generator.max_model_len", "1024", "--data.max_prompt_tokens", "768"])
 
 
+def test_a_batch_that_does_not_split_over_the_learner_ranks_is_refused() -> None:
+    # each rank claims groups_per_step // ranks: 3 ranks of 1 group at 4 a step left one a step
+    # to age in the queue; 4 ranks at 2 a step claimed more than admission grants: a stall
+    with pytest.raises(
+        ConfigError, match=r"groups_per_step 4 does not split over 3 learner ranks .*--async.groups_per_step 3"
+    ):
+        load_config(["--launch.learner_procs", "3", "--async.groups_per_step", "4"])
+    with pytest.raises(ConfigError, match=r"groups_per_step 2 does not split over 4 .*--async.groups_per_step 4"):
+        load_config(["--launch.learner_procs", "4", "--async.groups_per_step", "2"])
+    assert load_config(["--launch.learner_procs", "4", "--async.groups_per_step", "8"])
+    from flywheel.config import check_batch_split
+
+    with pytest.raises(ConfigError, match=r"over 3 learner ranks \(WORLD_SIZE\)"):
+        check_batch_split(4, 3)
+
+
 def test_a_generated_task_with_a_chat_template_is_refused() -> None:
     # RL would sample chat-formatted prompts while the warm start and the evaluation use raw text
     with pytest.raises(ConfigError, match="task.name arithmetic writes raw-text prompts"):
