@@ -141,11 +141,16 @@ class DataConfig(_Section):
     )
 
 
+VLLM_MIN_TEMPERATURE = 0.01  # vLLM raises a lower positive temperature to this (`_MAX_TEMP` in its sampling_params)
+
+
 class RolloutConfig(_Section):
     """Sampling parameters carried by every lease."""
 
     max_tokens: int = Field(256, ge=1, le=1 << 20, description="Maximum new tokens per sample.")
-    temperature: float = Field(1.0, ge=0.0, le=10.0, description="Sampling temperature.")
+    temperature: float = Field(
+        1.0, ge=0.0, le=10.0, description="Sampling temperature: 0 (greedy) or at least 0.01, as vLLM samples."
+    )
     top_p: float = Field(
         1.0,
         gt=0.0,
@@ -161,6 +166,18 @@ class RolloutConfig(_Section):
         "run's rollouts repeat whatever generator takes them. Unset: the engine's RNG (faster: vLLM samples "
         "seeded requests one by one).",
     )
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_vllm_keeps(cls, t: float) -> float:
+        if 0 < t < VLLM_MIN_TEMPERATURE:
+            raise ValueError(
+                f"vLLM raises a temperature below {VLLM_MIN_TEMPERATURE} to {VLLM_MIN_TEMPERATURE} without a word, "
+                f"so the generators would sample (and report log-probabilities) at {VLLM_MIN_TEMPERATURE} while the "
+                f"learner divides its logits by {t}: every importance ratio would be off. Use 0 (greedy) or at least "
+                f"{VLLM_MIN_TEMPERATURE}"
+            )
+        return t
 
 
 class AsyncConfig(_Section):

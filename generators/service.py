@@ -14,6 +14,7 @@ the old weights produced has been consumed before it bumps ``self.version``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -23,7 +24,7 @@ from typing import Any
 
 from flywheel.config import FlywheelConfig
 from flywheel.watchdog import WATCHDOG
-from flywheel.wire import FINISH_REASONS, Chunk, Lease, WeightsReady, pack_f32, pack_i32, unpack_i32
+from flywheel.wire import FINISH_REASONS, Chunk, Lease, Rejections, WeightsReady, pack_f32, pack_i32, unpack_i32
 from generators.hub_link import HubLink
 from generators.sync_link import SyncLink
 
@@ -104,6 +105,7 @@ class GeneratorService:
         self.samples: dict[int, dict[int, SampleRun]] = {}  # lease id -> sample index -> run
         self.updates: list[UpdateResult] = []
         self.tokens_generated = 0
+        self.refused = Rejections(log)  # requests vLLM refused for their input, by reason
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._interrupts = 0  # bumped by every interrupt-policy update: aborts it caused are resubmitted
@@ -244,17 +246,29 @@ class GeneratorService:
             request_id = f"{self.generator_id}-{lease.lease_id}-{run.sample}-{attempt}"
             interrupts_before = self._interrupts
             finish = None
-            async for out in self.engine.generate(
-                TokensPrompt(prompt_token_ids=prompt + run.tokens), params, request_id
-            ):
-                completion = out.outputs[0]
-                ids = list(completion.token_ids)
-                if ids:
-                    lps = [max(MIN_LOGPROB, min(0.0, completion.logprobs[i][t].logprob)) for i, t in enumerate(ids)]
-                    run.add(ids, lps, self.version)
-                    self.tokens_generated += len(ids)
-                    self._deltas += 1
-                finish = completion.finish_reason or finish
+            try:
+                async for out in self.engine.generate(
+                    TokensPrompt(prompt_token_ids=prompt + run.tokens), params, request_id
+                ):
+                    completion = out.outputs[0]
+                    ids = list(completion.token_ids)
+                    if ids:
+                        lps = [max(MIN_LOGPROB, min(0.0, completion.logprobs[i][t].logprob)) for i, t in enumerate(ids)]
+                        run.add(ids, lps, self.version)
+                        self.tokens_generated += len(ids)
+                        self._deltas += 1
+                    finish = completion.finish_reason or finish
+            except _request_errors() as err:
+                # This request's input, not the engine: failing the generator would fail every
+                # generator the hub re-issues the lease to after it, in turn.
+                self.refused.reject(
+                    "engine_refused_request",
+                    f"group {lease.group_id} sample {run.sample}: {err} (prompt token ids outside the model's "
+                    "vocabulary? data.tokenizer must be generator.model's); it ends as abort",
+                    "vLLM",
+                )
+                run.finish = "abort"
+                return
             if finish == "abort" and self._interrupts != interrupts_before:
                 attempt += 1  # aborted by an interrupt-policy update: go on from the partial tokens
                 continue
@@ -382,13 +396,27 @@ class GeneratorService:
                 # straight back, to be returned again (the heartbeat says so only every heartbeat_s)
                 self.link.draining = True
                 self.link.heartbeat(force=True)
-            # Our weights are behind the learner's now: give the work back rather than keep stale leases.
-            held = list(self.samples)
-            for lease_id in held:
-                self._cancel_lease(lease_id)
-            self.link.release(held)
+                # nothing may come of the half-loaded weights: their work goes back to the hub
+                held = list(self.samples)
+                for lease_id in held:
+                    self._cancel_lease(lease_id)
+                self.link.release(held)
+            # Untouched, the weights are the ones the leases were taken with: their work goes on
+            # (the hub leased it to these weights' version, and drops whatever turns too stale);
+            # released, it came straight back here, to be generated again from the start.
         assert self.sync is not None
         self.sync.ack(self.version if error is None else ready.version, ready.epoch, error, seconds)
         self.link.draining = self._draining_since is not None or not self.weights_valid
         self.link.set_weight_version(self.version)
         return UpdateResult(ready.version, error is None, error, seconds)
+
+
+@functools.cache
+def _request_errors() -> tuple[type[BaseException], ...]:
+    """What vLLM raises for one request's bad input (a token id outside the vocabulary, a prompt
+    too long), as against a failed engine (``EngineDeadError``): the first ends that request."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # an older vLLM: its input checks raise ValueError
+        return (ValueError,)
+    return (VLLMClientError, ValueError)

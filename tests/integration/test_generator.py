@@ -3,6 +3,7 @@ weight broadcaster: log-probabilities, in-flight weight updates, crashes and bad
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -217,6 +218,47 @@ def test_bad_syncs_late_weights_and_drain(
     gen.proc.send_signal(signal.SIGTERM)
     assert gen.proc.wait(timeout=60) == 0
     assert "draining" in gen.log_path.read_text()
+
+
+def test_a_prompt_vllm_refuses_ends_its_samples_and_a_sync_that_never_came_keeps_the_leases(
+    cluster: Cluster, checkpoint_dir: Path, broadcaster: WeightBroadcaster, tmp_path: Path
+) -> None:
+    """A prompt with a token id outside the model's vocabulary (a data.tokenizer with tokens
+    added) made vLLM raise, which failed the generator, and then each generator the hub
+    re-issued the lease to. Now its samples end as abort, scored, and the generator goes on.
+    A sync that failed before touching the weights gave every lease back, to be leased straight
+    back to this same generator and generated again from the start: now they go on."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(checkpoint_dir)
+    extra = [f"<added_{i}>" for i in range(512 - len(tok))] + ["<not_in_the_model>"]
+    tok.add_tokens(extra)  # the last one's id is past the model's 512 embeddings
+    assert tok.convert_tokens_to_ids("<not_in_the_model>") == 512
+    tok.save_pretrained(tmp_path / "tokenizer")
+    rows = [{"prompt": f"What is {a} + 1? Answer:"} for a in range(6)]
+    rows.insert(1, {"prompt": "What is <not_in_the_model> + 1? Answer:"})
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    start_hub(
+        cluster,
+        "--data.path", str(tmp_path / "prompts.jsonl"), "--data.tokenizer", str(tmp_path / "tokenizer"),
+        "--data.shuffle", "false", "--data.epochs", "100", "--rollout.max_tokens", "300",
+    )  # fmt: skip
+    gen = cluster.start_generator("g0", checkpoint_dir, sync_ports(broadcaster), "--generator.capacity", "2")
+    wait_until(lambda: "engine_refused_request" in gen.log_path.read_text(), 120, "the refused prompt")
+    assert "out of vocabulary" in gen.log_path.read_text()
+    wait_until(lambda: tokens_in_flight(cluster), 60, "the next leases streaming")
+    store = host_store("127.0.0.1", 30)
+    broadcaster.pub.send(encode(_ready(1, store.port, deadline=time.time() + 2)))
+    ack = wait_for_ack(broadcaster, "g0", timeout_s=30)
+    assert ack.error is not None
+    c = client(cluster)
+    served = [g for _ in range(3) for g in claim(c, 2).groups]
+    refused = [g for g in served if g.prompt_index == 1]
+    assert refused and all(s.finish_reason == "abort" and len(s.tokens) == 0 for s in refused[0].samples)
+    assert gen.alive()
+    hub_log = cluster.hub.log_path.read_text()
+    assert "generator g0 released" not in hub_log, "an untouched failed sync gave its leases back"
+    assert c.counters().get("leases_reissued", 0) == 0
 
 
 def _ready(version: int, port: int, deadline: float) -> WeightsReady:

@@ -95,6 +95,13 @@ def test_a_batch_that_does_not_split_over_the_learner_ranks_is_refused() -> None
         check_batch_split(4, 3)
 
 
+def test_a_temperature_vllm_would_raise_is_refused() -> None:
+    # vLLM samples at 0.01 below it: the learner's log-probabilities would be at another temperature
+    with pytest.raises(ConfigError, match=r"rollout.temperature.*Use 0 \(greedy\) or at least 0.01"):
+        load_config(["--rollout.temperature", "0.005"])
+    assert load_config(["--rollout.temperature", "0"]) and load_config(["--rollout.temperature", "0.01"])
+
+
 def test_a_generated_task_with_a_chat_template_is_refused() -> None:
     # RL would sample chat-formatted prompts while the warm start and the evaluation use raw text
     with pytest.raises(ConfigError, match="task.name arithmetic writes raw-text prompts"):
