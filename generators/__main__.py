@@ -47,6 +47,7 @@ async def serve(cfg: FlywheelConfig, max_seconds: float | None = None) -> int:
         heartbeat_s=gcfg.heartbeat_s,
         ack_log=gcfg.ack_log,
         security=cfg.security,
+        max_message_bytes=cfg.hub.max_message_bytes,  # the hub's limit: its frames stay under it
     )
     sync = SyncLink(
         cfg.sync.host,

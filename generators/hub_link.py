@@ -41,6 +41,7 @@ from flywheel.wire import (
 
 log = logging.getLogger(__name__)
 
+CHUNK_OVERHEAD_BYTES = 128  # a chunk's encoding beyond its three arrays (field names, ids, the reason)
 MAX_BACKOFF = 8  # the resend timeout grows at most this many times while resends go unanswered
 
 
@@ -88,6 +89,7 @@ class HubLink:
         curve_client(self.sock, security)
         self.sock.connect(address)
         self.decoder = Decoder(ToGenerator, max_bytes=max_message_bytes)
+        self.max_frame_bytes = max_message_bytes // 2
         self.rejects = Rejections(log)  # what the hub sent that failed validation, by reason
         # (group, sample, seq) -> (chunk, when sent, whether it is a resend), in send order
         self.unacked: dict[tuple[int, int, int], tuple[Chunk, float, bool]] = {}
@@ -152,11 +154,23 @@ class HubLink:
         return len(self.unacked) >= self.max_unacked
 
     def send_chunks(self, chunks: list[Chunk], resend: bool = False) -> None:
+        """Send ``chunks``, in frames of at most half the hub's message limit: after a stall
+        (flow control, a hub restart) the tokens held back all go out at once, and one frame
+        over the limit is refused whole, on every resend."""
         if not chunks:
             return
         now = time.monotonic()
         self.unacked.update({(c.group_id, c.sample, c.seq): (c, now, resend) for c in chunks})
-        self._send(encode(ChunkBatch(generator_id=self.generator_id, chunks=chunks)))
+        frame: list[Chunk] = []
+        size = 0
+        for c in chunks:
+            n = len(c.tokens) + len(c.logprobs) + len(c.versions) + CHUNK_OVERHEAD_BYTES
+            if frame and size + n > self.max_frame_bytes:
+                self._send(encode(ChunkBatch(generator_id=self.generator_id, chunks=frame)))
+                frame, size = [], 0
+            frame.append(c)
+            size += n
+        self._send(encode(ChunkBatch(generator_id=self.generator_id, chunks=frame)))
 
     def resend_timeout_s(self) -> float:
         adaptive = self.resend_after_s if self._srtt is None else self._srtt + 4 * self._rttvar

@@ -38,8 +38,23 @@ def make_chunk(
 
 
 class HandGenerator:
-    def __init__(self, address: str, gen_id: str, capacity: int = 1, resend_after_s: float = 0.5) -> None:
-        self.link = HubLink(address, gen_id, "hand", capacity, resend_after_s=resend_after_s, heartbeat_s=0.2)
+    def __init__(
+        self,
+        address: str,
+        gen_id: str,
+        capacity: int = 1,
+        resend_after_s: float = 0.5,
+        max_message_bytes: int = 64 << 20,
+    ) -> None:
+        self.link = HubLink(
+            address,
+            gen_id,
+            "hand",
+            capacity,
+            resend_after_s=resend_after_s,
+            heartbeat_s=0.2,
+            max_message_bytes=max_message_bytes,
+        )
         self.leases: list[Lease] = []
         self.revoked: list[int] = []
         self.acked = 0

@@ -281,6 +281,22 @@ def test_duplicates_and_out_of_order_chunks(cluster: Cluster) -> None:
     g.close()
 
 
+def test_a_backlog_of_chunks_goes_out_in_frames_the_hub_accepts(cluster: Cluster) -> None:
+    """Tokens held back by flow control or a hub restart go out at once: in one frame, past the
+    hub's message limit, they were refused whole, on every resend, and never acknowledged."""
+    cluster.start_hub(
+        "--data.n_samples_per_prompt", "2", "--async.groups_per_step", "1", "--hub.max_message_bytes", "4096"
+    )
+    g = HandGenerator(cluster.gen_address, "gen", max_message_bytes=4096)
+    g.register()
+    lease = g.wait_lease()
+    backlog = [make_chunk(lease, s, seq, 0, final=False, n=64) for s in (0, 1) for seq in range(20)]  # ~40 KB
+    g.link.send_chunks(backlog)
+    pump_until(g, lambda: g.acked == len(backlog) and not g.link.unacked, "the whole backlog acknowledged")
+    assert rejected(cluster, "oversized") == 0
+    g.close()
+
+
 def test_hub_warns_when_redis_keeps_no_aof(cluster: Cluster) -> None:
     cluster.redis.client().config_set("appendonly", "no")
     cluster.start_hub()
