@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,16 @@ class Reporter:
         if mode != "disabled":
             import wandb
 
+            # One wandb run for the whole training run: a learner restarted (by the launcher,
+            # after a crash) logs on into it rather than opening another under the same name.
+            id_file = run_dir / "wandb_run_id"
+            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+            id_file.write_text(run_id)
             self.wandb = wandb.init(
                 project=cfg.wandb.project,
                 name=cfg.run.name,
+                id=run_id,
+                resume="allow",
                 mode=mode,
                 dir=str(run_dir),
                 config=cfg.model_dump(mode="json", by_alias=True),
