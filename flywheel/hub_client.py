@@ -238,7 +238,7 @@ class BatchClient:
                     os.write(self._claims_log, (" ".join(str(gid) for gid, _ in pairs) + "\n").encode())
                 break
             if time.monotonic() - start > timeout_s:
-                ready = self.redis.zcard(self.keys.ready)
+                ready = self._retry(lambda: self.redis.zcard(self.keys.ready), "counting the ready groups")
                 raise BatchTimeout(
                     f"no batch of {n_groups} groups within {timeout_s:.1f}s ({ready} ready); is the hub running and are generators connected?"
                 )
