@@ -79,7 +79,13 @@ def main() -> None:
     stats = trainer.train_step(Batch(learner_version=0, groups=mine, dropped=0, wait_s=0.0))  # type: ignore[arg-type]
     assert stats is not None
     if rank == 0:
-        print(json.dumps({"grad_norm": stats.metrics["grad_norm"], "aborted": stats.metrics["batch/aborted"]}))
+        m = stats.metrics
+        out = {
+            "grad_norm": m["grad_norm"],
+            "aborted": m["batch/aborted"],
+            "behav_weight_mean": m["offpolicy/behav_weight_mean"],
+        }
+        print(json.dumps(out))
     trainer.close()
 
 

@@ -314,6 +314,26 @@ def norm_check(
     return script_result(script)
 
 
+def behaviour_weight_mean(checkpoint_dir: Path, cap: float) -> float:
+    """The decoupled behaviour weight min(exp(prox - behav), cap), averaged over the tokens of
+    norm_check's fixed batch, with prox from an HF forward of the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.integration.norm_check import fixed_groups
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).eval()
+    weights = []
+    with torch.no_grad():
+        for group in fixed_groups("stop"):
+            for s in group.samples:  # type: ignore[attr-defined]
+                prompt = torch.as_tensor(group.prompt_tokens, dtype=torch.long)  # type: ignore[attr-defined]
+                answer = torch.as_tensor(s.tokens, dtype=torch.long)
+                logits = model(torch.cat([prompt, answer])[None]).logits[0, len(prompt) - 1 : -1]
+                prox = torch.log_softmax(logits.float(), -1).gather(1, answer[:, None])[:, 0]
+                weights.append(torch.exp(prox - torch.as_tensor(s.logprobs)).clamp(max=cap))
+    return float(torch.cat(weights).mean())
+
+
 def script_result(argv: list[str]) -> dict:
     """Run ``python ARGV`` from the repository (one thread a process) and return the JSON of its
     last line."""
@@ -342,9 +362,16 @@ def test_two_ranks_take_the_same_step_as_one_rank_on_the_whole_batch(
     weighing a short answer's token 4× a long one's), Dr. GRPO's token sum by the generation
     budget (it divided by each rank's longest answer), and REINFORCE++ whitens over the whole
     step (each rank whitened its own). The step's gradient matches one rank's."""
-    one = norm_check(checkpoint_dir, redis_server.url, 1, aggregation, "stop", estimator)["grad_norm"]
+    result = norm_check(checkpoint_dir, redis_server.url, 1, aggregation, "stop", estimator)
+    one = result["grad_norm"]
     two = norm_check(checkpoint_dir, redis_server.url, 2, aggregation, "stop", estimator)["grad_norm"]
     assert one > 0 and two == pytest.approx(one, rel=1e-4)
+    if (aggregation, estimator) == ("token_mean", "grpo"):
+        # the same step, for the off-policy correction: the batch's behaviour log-probabilities
+        # (-3.0) are not the model's, so each token's decoupled weight exp(prox - behav), at most
+        # is_cap, is the model's own probability over e^-3; a trainer that took its behaviour
+        # log-probabilities from anywhere else would weigh them otherwise
+        assert result["behav_weight_mean"] == pytest.approx(behaviour_weight_mean(checkpoint_dir, cap=2.0), rel=1e-3)
 
 
 def test_samples_the_engine_cut_off_give_no_gradient(redis_server: RedisServer, checkpoint_dir: Path) -> None:

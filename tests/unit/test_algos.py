@@ -80,6 +80,13 @@ def test_reinforce_pp_returns_are_whitened_over_the_batch() -> None:
     # with the group baseline, rewards become r - mean (0.5, -0.5) before the returns
     adv_b, _ = advantages("reinforce_pp_baseline", T([[1.0, 0.0]]), mask)
     close(adv_b, [[0.70711, 0.70711], [-1.41421, 0.0]])
+    # two groups of different means: the baseline is each group's own (one group alone cannot
+    # show it: whitening takes a shared shift out); r - mean = [0.5, -0.5], [0, 0]
+    one_token = T([[1.0]] * 4)
+    adv_b2, _ = advantages("reinforce_pp_baseline", T([[1.0, 0.0], [1.0, 1.0]]), one_token)
+    close(adv_b2, [[1.41421], [-1.41421], [0.0], [0.0]])
+    adv_nb, _ = advantages("reinforce_pp", T([[1.0], [0.0], [1.0], [1.0]]), one_token)
+    close(adv_nb, [[0.57735], [-1.73205], [0.57735], [0.57735]])
     # KL in the reward: -0.1 * kl on every token
     kl = T([[1.0, 1.0], [1.0, 0.0]])
     adv_kl, _ = advantages("reinforce_pp", T([[1.0], [0.0]]), mask, kl_BT=kl, kl_coef=0.1)
