@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import redis
 import zmq
 
 from buffer import recovery
@@ -136,6 +137,18 @@ def test_a_chunk_taken_in_the_turn_its_lease_is_given_back_is_written_before_its
     fields = redis.hkeys(hub.keys.group(lease.group_id))
     assert any(f.startswith(b"c:") for f in fields), fields
     assert hub.groups[lease.group_id].samples[0].lease_id != lease.lease_id  # re-issued
+
+
+def test_a_turn_whose_write_to_redis_fails_acknowledges_nothing(turns: TurnByTurn, redis_server: RedisServer) -> None:
+    """An ack says the chunk is durable. A turn whose write Redis never took must send none: the
+    generator resends the chunk to the hub that restarts from Redis."""
+    lease = _leased(turns)
+    turns.send(make_chunk(lease, 0, 0, version=0, final=False))
+    turns.take()
+    redis_server.stop()
+    with pytest.raises(redis.ConnectionError):
+        turns.hub._flush()
+    assert not turns.sock.poll(500, zmq.POLLIN), "the hub acknowledged a chunk Redis never took"
 
 
 def test_groups_a_learner_dropped_stay_listed_until_the_turn_that_removes_them_is_written(
