@@ -76,7 +76,7 @@ def assert_no_orphans(pids: set[int]) -> None:
     assert not alive, [psutil.Process(p).cmdline() for p in alive if psutil.pid_exists(p)]
 
 
-def test_quickstart_trains_end_to_end_and_writes_the_report(tmp_path: Path) -> None:
+def test_quickstart_runs_end_to_end_and_writes_the_report(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--train.total_steps", "8", "--sft.steps", "20")
     out, pids = watch(proc, timeout_s=600)

@@ -46,6 +46,23 @@ def fixed_groups(finish: str) -> list[object]:
     return [group(0, (3, 2)), group(1, (12, 9))]
 
 
+def answer_logprobs(model: object, groups: list[object]) -> list[list[float]]:
+    """Each answer's summed log-probability under ``model`` (an HF causal LM), group by group."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for group in groups:
+            prompt = torch.as_tensor(group.prompt_tokens, dtype=torch.long)  # type: ignore[attr-defined]
+            row = []
+            for s in group.samples:  # type: ignore[attr-defined]
+                answer = torch.as_tensor(s.tokens, dtype=torch.long)
+                logits = model(torch.cat([prompt, answer])[None]).logits[0, len(prompt) - 1 : -1]  # type: ignore[operator]
+                row.append(float(torch.log_softmax(logits.float(), -1).gather(1, answer[:, None]).sum()))
+            out.append(row)
+    return out
+
+
 def main() -> None:
     model, redis_url, aggregation = sys.argv[1:4]
     finish = sys.argv[4] if len(sys.argv) > 4 else "stop"
@@ -76,6 +93,7 @@ def main() -> None:
     trainer = Trainer(cfg, rank, world)
     groups = fixed_groups(finish)
     mine = groups if world == 1 else [groups[rank]]
+    before = answer_logprobs(trainer.engine.module, mine)
     stats = trainer.train_step(Batch(learner_version=0, groups=mine, dropped=0, wait_s=0.0))  # type: ignore[arg-type]
     assert stats is not None
     if rank == 0:
@@ -85,6 +103,11 @@ def main() -> None:
             "aborted": m["batch/aborted"],
             "behav_weight_mean": m["offpolicy/behav_weight_mean"],
         }
+        # how the step moved each answer's log-probability (rewarded: sample 0 of each group)
+        after = answer_logprobs(trainer.engine.module, mine)
+        out["logprob_change"] = [
+            [a - b for a, b in zip(ga, gb, strict=True)] for ga, gb in zip(after, before, strict=True)
+        ]
         print(json.dumps(out))
     trainer.close()
 

@@ -372,6 +372,9 @@ def test_two_ranks_take_the_same_step_as_one_rank_on_the_whole_batch(
         # is_cap, is the model's own probability over e^-3; a trainer that took its behaviour
         # log-probabilities from anywhere else would weigh them otherwise
         assert result["behav_weight_mean"] == pytest.approx(behaviour_weight_mean(checkpoint_dir, cap=2.0), rel=1e-3)
+        # and the step learns: each group's rewarded answer (sample 0) more likely, the other less
+        for rewarded, unrewarded in result["logprob_change"]:
+            assert rewarded > 0 > unrewarded, result["logprob_change"]
 
 
 def test_samples_the_engine_cut_off_give_no_gradient(redis_server: RedisServer, checkpoint_dir: Path) -> None:
