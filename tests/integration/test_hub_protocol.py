@@ -276,6 +276,7 @@ def test_duplicates_and_out_of_order_chunks(cluster: Cluster) -> None:
     m = metrics(cluster)
     assert m["flywheel_hub_duplicate_chunks_total"] >= 3
     assert m["flywheel_hub_chunks_in_total"] == 5  # 3 + 2 chunks: each stored once
+    assert int(cluster.redis.client().hget(RunKeys("flywheel").counters, "chunks_persisted") or 0) == 5
     assert rejected(cluster, "second_final_chunk") == 1
     assert rejected(cluster, "seq_after_final") == 1
     g.close()

@@ -78,7 +78,7 @@ def test_exact_match_regex_match_and_format() -> None:
     assert b.exact_match([""] * 3, ["it is 8", "8 or 9", "  8 "], META * 3) == [1.0, 0.0, 1.0]
     numbers = ["The answer is 1,000.", "1000", "42.0", "-3"]
     golds = [{"answer": "1000"}, {"answer": "1,000"}, {"answer": "42"}, {"answer": "-3"}]
-    assert b.exact_match([""] * 4, numbers, golds) == [1.0, 1.0, 1.0, 1.0]  # "1,000" read as 000; 42.0 != 42
+    assert b.exact_match([""] * 4, numbers, golds) == [1.0, 1.0, 1.0, 1.0]  # (once "1,000" read as 000, 42.0 != 42)
     assert b.exact_match([""], ["no"], [{"answer": "yes"}], extract=r"(yes)|no") == [0.0]  # a group that did not match
     assert b.exact_match([""] * 2, ["Paris ", "paris"], [{"city": "Paris"}] * 2, answer_key="city", extract=None) == [
         1.0,
