@@ -46,15 +46,18 @@ class Signals:
     active_leases: float
     generator_capacity: float
     admission_blocked_s: float
+    registered: float | None = None  # generators registered and not draining (None: not known)
 
     @classmethod
     def from_metrics(cls, m: dict[str, float], t: float) -> Signals:
+        registered = m["generators"] - m.get("generators_draining", 0.0) if "generators" in m else None
         return cls(
             t=t,
             ready_groups=m.get("ready_groups", 0.0),
             active_leases=m.get("active_leases", 0.0),
             generator_capacity=m.get("generator_capacity", 0.0),
             admission_blocked_s=m.get("admission_blocked_seconds", 0.0),
+            registered=registered,
         )
 
 
@@ -78,8 +81,13 @@ def decide(cfg: AutoscaleConfig, current: int, before: Signals, now: Signals, gr
         return Decision(current, "the hub restarted: its blocked time counts again from zero")
     if blocked >= cfg.blocked_frac and current > cfg.min_generators:
         return Decision(current - 1, f"generators idle under the staleness bound {blocked:.0%} of the time")
-    starving = ready_steps < cfg.starving_ready_steps and utilisation >= cfg.busy_utilisation
+    # (no generator at all, with autoscale.min_generators 0: none can be busy, and none to wait for)
+    busy = utilisation >= cfg.busy_utilisation or current == 0
+    starving = ready_steps < cfg.starving_ready_steps and busy
     if starving and blocked < cfg.blocked_frac / 2 and current < cfg.max_generators:
+        loading = 0 if now.registered is None else current - int(now.registered)
+        if loading > 0:  # the hub's signals do not count them yet: another now would overshoot
+            return Decision(current, f"{loading} started generators not registered yet")
         return Decision(
             current + 1, f"learner starving ({ready_steps:.1f} steps ready) with generators busy ({utilisation:.0%})"
         )
@@ -137,10 +145,12 @@ class CommandBackend:
         return self.n
 
     def scale_to(self, n: int) -> None:
-        argv = shlex.split(self.command.format(replicas=n))
+        # a plain replace, not str.format: a hook may hold braces of its own (JSON, ${VAR})
+        command = self.command.replace("{replicas}", str(n))
         try:
+            argv = shlex.split(command)
             result = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout_s)
-        except (OSError, subprocess.TimeoutExpired) as err:  # a hook that fails must not end the run
+        except (OSError, ValueError, subprocess.TimeoutExpired) as err:  # a hook that fails must not end the run
             log.warning("autoscale command failed: %s", err)
             return
         if result.returncode != 0:

@@ -124,6 +124,7 @@ def _finish(argv: list[str]) -> int:
 
     from flywheel.hub_client import cancel_finish, request_finish
     from flywheel.netsec import redis_client
+    from flywheel.store import RunKeys
 
     try:
         client = redis_client(cfg.redis, url)
@@ -131,6 +132,16 @@ def _finish(argv: list[str]) -> int:
             had = cancel_finish(client, cfg.run.name)
             print("finish request forgotten" if had else "no finish was requested")
             return 0
+        keys = RunKeys(cfg.run.name)
+        if not client.exists(keys.version, keys.settings):
+            # a finish stored for no run would stop a later run under that name at its step 2
+            names = sorted({k.decode().split("{", 1)[1].split("}", 1)[0] for k in client.scan_iter("fw:{*}:settings")})
+            print(
+                f"flywheel finish: no run {cfg.run.name!r} in this Redis (runs here: {', '.join(names) or 'none'}): "
+                "check --run.name",
+                file=sys.stderr,
+            )
+            return 2
         step = request_finish(client, cfg.run.name, at_step)
     except redis.RedisError as err:
         print(f"flywheel finish: the run's Redis did not answer: {err}", file=sys.stderr)

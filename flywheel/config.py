@@ -790,7 +790,7 @@ class AutoscaleConfig(_Section):
     command: str | None = Field(
         None,
         description="Hook for compose/Kubernetes: a shell command with {replicas}, e.g. "
-        "'docker compose -f deploy/docker-compose.yml up -d --no-recreate --scale generator={replicas}'.",
+        "'docker compose --env-file deploy/flywheel.env -f deploy/docker-compose.yml up -d --no-recreate --scale generator={replicas}'.",
     )
 
     @model_validator(mode="after")

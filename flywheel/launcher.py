@@ -461,7 +461,8 @@ class LocalLaunch:
         if "learner" in start:
             run_dir, export = str(self.run_dir), str(self.run_dir / "final_model")
             flags = self._flags("--train.run_dir", run_dir, "--train.export_dir", export)
-            if cfg.launch.restart and not cfg.train.checkpoint_dir:  # a restarted learner resumes from here
+            wants_checkpoints = cfg.launch.restart or cfg.train.checkpoint_every > 0
+            if wants_checkpoints and not cfg.train.checkpoint_dir:  # a restarted learner resumes from here
                 flags += ["--train.checkpoint_dir", str(self.run_dir / "checkpoints")]
             if cfg.launch.restart and not cfg.train.checkpoint_every:
                 log.warning(

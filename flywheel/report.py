@@ -76,13 +76,21 @@ def loop_figures(rows: list[dict[str, Any]], timeline: Any) -> dict[str, float]:
     if len(inside) >= 2:
         first, last = inside[0], inside[-1]
         seconds = timeline.t[last] - timeline.t[first]
-        out["generator_tokens"] = timeline.tokens_in[last] - timeline.tokens_in[first]
+        out["generator_tokens"] = _counted([timeline.tokens_in[i] for i in inside])
         out["generator_tokens_per_s_wall"] = out["generator_tokens"] / seconds
         out["generator_no_work_frac"] = _mean([float(timeline.active_leases[i] == 0) for i in inside])
-        out["generator_blocked_frac"] = (
-            timeline.admission_blocked_s[last] - timeline.admission_blocked_s[first]
-        ) / seconds
+        out["generator_blocked_frac"] = _counted([timeline.admission_blocked_s[i] for i in inside]) / seconds
     return out
+
+
+def _counted(samples: list[float]) -> float:
+    """What a hub counter counted over its samples. The hub keeps its counters in memory, so a
+    restart (its own, or Redis's) starts them from zero again: a sample below the one before is
+    a restart, and counts from zero."""
+    total = 0.0
+    for before, now in zip(samples, samples[1:], strict=False):
+        total += now - before if now >= before else now
+    return total
 
 
 def write_report(

@@ -302,12 +302,19 @@ def test_flywheel_finish_names_what_is_missing_and_stores_the_step(redis_server:
     assert out.returncode == 2 and "not the directory of a running `flywheel run`" in out.stderr, out.stderr
     out = finish("--at-step", "3")
     assert out.returncode == 2 and "--redis.url and --run.name" in out.stderr, out.stderr
+    redis_server.client().hset(RunKeys("other").settings, "groups_per_step", 2)
+    out = finish("--redis.url", redis_server.url, "--run.name", "cli", "--at-step", "9")
+    # no such run: a finish stored for it would stop a later run of that name at its step 2
+    assert out.returncode == 2 and "no run 'cli' in this Redis (runs here: other)" in out.stderr, out.stderr
+    assert redis_server.client().get(RunKeys("cli").finish_at) is None
+    redis_server.client().set(RunKeys("cli").version, 0)  # the run's learner has started
     out = finish("--redis.url", redis_server.url, "--run.name", "cli", "--at-step", "9")
     assert out.returncode == 0 and out.stdout.strip() == "training ends at step 9", out.stdout + out.stderr
     assert redis_server.client().get(RunKeys("cli").finish_at) == b"9"
 
     (tmp_path / "services.json").write_text(json.dumps({"pids": {}, "redis_url": redis_server.url}))
     (tmp_path / "config.yaml").write_text("run:\n  name: local\n")
+    redis_server.client().hset(RunKeys("local").settings, "groups_per_step", 2)  # its hub has started
     out = finish(str(tmp_path))
     assert out.returncode == 0 and out.stdout.strip() == "training ends at step 2", out.stdout + out.stderr
     out = finish(str(tmp_path), "--cancel")

@@ -89,3 +89,39 @@ def test_the_command_backend_runs_the_deployment_hook(tmp_path) -> None:  # type
     ):
         broken.scale_to(4)  # logged as the failing one is: the run goes on
         assert broken.replicas() == 2
+
+
+def test_a_hook_with_braces_of_its_own_or_a_bad_quote_does_not_end_the_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import sys
+
+    from flywheel.autoscale import CommandBackend
+
+    out = tmp_path / "patch"
+    write_arg = f"{sys.executable} -c \"import sys; open('{out}', 'w').write(sys.argv[1])\""
+    kubectl_patch = CommandBackend(write_arg + ' \'{"spec": {"replicas": {replicas}}}\'', start=1)
+    kubectl_patch.scale_to(5)  # str.format took the JSON's braces for fields: KeyError, the run ended
+    assert out.read_text() == '{"spec": {"replicas": 5}}' and kubectl_patch.replicas() == 5
+    unbalanced = CommandBackend("kubectl 'scale --replicas={replicas}", start=2)
+    unbalanced.scale_to(3)  # shlex's ValueError: logged, as a failing hook is
+    assert unbalanced.replicas() == 2
+
+
+def test_a_fleet_scaled_to_zero_grows_back_when_the_learner_starves() -> None:
+    """autoscale.min_generators 0: with no generator, no slot can be busy; the fleet stayed at 0."""
+    cfg = load_config(["--autoscale.min_generators", "0", "--autoscale.max_generators", "3"]).autoscale
+    empty = look(10, ready=0, active=0, capacity=0)
+    assert decide(cfg, 0, look(0, active=0, capacity=0), empty, groups_per_step=4).target == 1
+
+
+def test_no_growth_while_started_generators_have_not_registered() -> None:
+    """The hub's signals count registered generators only: growing again before the last one
+    started has registered (a vLLM start outlasts the cooldown) ran the fleet to its maximum."""
+    before = look(0)
+    loading = Signals(t=10, ready_groups=1, active_leases=7, generator_capacity=8, admission_blocked_s=0, registered=1)
+    decision = decide(CFG, 2, before, loading, groups_per_step=4)
+    assert decision.target == 2 and "not registered yet" in decision.why
+    registered = Signals(
+        t=10, ready_groups=1, active_leases=7, generator_capacity=8, admission_blocked_s=0, registered=2
+    )
+    assert decide(CFG, 2, before, registered, groups_per_step=4).target == 3
+    assert Signals.from_metrics({"generators": 3, "generators_draining": 1}, 0).registered == 2

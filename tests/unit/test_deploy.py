@@ -66,3 +66,17 @@ def test_the_gpu_override_gives_the_learner_and_the_generators_their_own_gpus() 
     assert devices["learner"]["device_ids"] == ["0"] and devices["generator"]["device_ids"] == ["1"]
     assert all(d["capabilities"] == ["gpu"] and d["driver"] == "nvidia" for d in devices.values())
     assert "flywheel-generator" in services["generator"]["command"]  # the base file's services, merged
+
+
+def test_generators_get_the_time_to_drain_on_a_stop_or_scale_down() -> None:
+    """Docker's default 10 s grace killed a draining generator mid-drain; and the autoscale hook
+    the docs give must read the env file, or every replica it adds gets blank arguments."""
+    from flywheel.config import AutoscaleConfig, GeneratorConfig
+
+    grace = yaml.safe_load(COMPOSE.read_text())["services"]["generator"]["stop_grace_period"]
+    assert grace.endswith("s") and float(grace[:-1]) > GeneratorConfig().drain_timeout_s
+    hook = AutoscaleConfig.model_fields["command"].description
+    readme = (ROOT / "README.md").read_text()
+    for text in (hook or "", readme):
+        for line in (ln for ln in text.splitlines() if "--scale generator={replicas}" in ln):
+            assert "--env-file deploy/flywheel.env" in line, line

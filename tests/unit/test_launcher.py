@@ -117,6 +117,22 @@ def test_loop_figures_count_only_the_training_window() -> None:
     assert figures["generator_blocked_frac"] == pytest.approx(0.5)
 
 
+def test_loop_figures_count_on_across_a_hub_restart() -> None:
+    """The hub's counters live in its memory: after a restart (its own, or Redis's) they count
+    from zero again, and last - first read half the tokens (or fewer than none)."""
+    tl = Timeline(start_wall=1000.0)
+    for t in range(0, 21, 2):
+        since_restart = t if t < 10 else t - 10  # the hub restarted at t = 10
+        tl.t.append(float(t))
+        tl.tokens_in.append(100.0 * since_restart)
+        tl.active_leases.append(4.0)
+        tl.admission_blocked_s.append(0.2 * since_restart)
+    rows = [{"time": 1000.0 + 2 * (i + 1), "perf/step_s": 2.0, "perf/tokens": 500.0} for i in range(10)]
+    figures = loop_figures(rows, tl)
+    assert figures["generator_tokens_per_s_wall"] == pytest.approx(100.0, rel=0.11)  # one sample lost at the restart
+    assert figures["generator_blocked_frac"] == pytest.approx(0.2, rel=0.11)
+
+
 def test_the_report_weighs_steps_by_their_length_and_counts_a_repeated_step_once(tmp_path: Path) -> None:
     """A mean of per-step idle shares counted a 9 s wait in a 10 s step as much as none in a 1 s
     one (0.09 where 9 of 19 s were idle); a learner restarted from a checkpoint logs the steps
