@@ -163,6 +163,7 @@ class LocalLaunch:
         self.base_model = ""  # the model before the warm start (set by _prepare)
         self.eval_end: dict[str, Any] | None = None
         self.generators: list[ServiceHandle] = []
+        self.retiring: list[tuple[ServiceHandle, float]] = []  # scaled down, draining: (service, kill at)
         self.spares: list[ServiceHandle] = []  # generators loaded and idle (launch.spare_generators)
         self.spares_started = 0  # spare names are never reused: each has a log file of its own
         self.standbys_started = 0  # standby learners, each with a takeover file of its own
@@ -577,9 +578,19 @@ class LocalLaunch:
         return cfg.autoscale.max_generators if cfg.autoscale.enabled else cfg.launch.generators
 
     def _retire_generator(self, svc: ServiceHandle) -> None:
-        """Scale-down: SIGTERM, so it drains (finishes or gives back its leases) before it exits."""
+        """Scale-down: SIGTERM, so it drains (finishes or gives back its leases) before it exits.
+        Not waited for here: the loop goes on restarting what dies meanwhile, and reaps it (or
+        kills it past its drain, ``_reap_retired``); a stop meanwhile stops it with the rest."""
         self.services.remove(svc)  # leaving on purpose is not a failure
-        svc.stop(timeout_s=self.cfg.generator.drain_timeout_s + 15)
+        svc.terminate()
+        self.retiring.append((svc, time.monotonic() + self.cfg.generator.drain_timeout_s + 15))
+
+    def _reap_retired(self) -> None:
+        now = time.monotonic()
+        for svc, due in list(self.retiring):
+            if not svc.alive() or now > due:
+                svc.stop(timeout_s=0)  # (gone: nothing; past its drain: SIGKILL to its group)
+                self.retiring.remove((svc, due))
 
     def _autoscaler(self) -> Autoscaler:
         a = self.cfg.autoscale
@@ -607,6 +618,7 @@ class LocalLaunch:
 
     def _check_alive(self) -> ServiceHandle | None:
         """Restart (or raise for) a service that died; return the learner once it finished cleanly."""
+        self._reap_retired()
         code = self._redis_died()
         if code is not None and self._backed_off("redis", "redis-server", code):  # first: everything needs it
             if not self.cfg.launch.restart or not self._may_restart("redis"):
@@ -832,6 +844,8 @@ class LocalLaunch:
         for svc in self.services:
             if svc is not keep:
                 stages[order.get(svc.name.rstrip("0123456789"), 0)].append(svc)
+        stages[order["generator"]] += [svc for svc, _ in self.retiring]  # scaled down, still draining
+        self.retiring = []
         for stage in sorted(stages):
             for svc in stages[stage]:
                 self._quietly(svc, svc.terminate)

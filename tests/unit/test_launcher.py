@@ -16,7 +16,7 @@ from flywheel import launcher
 from flywheel.config import load_config
 from flywheel.launcher import LocalLaunch, Timeline, assign_gpus, set_aside, visible_gpus
 from flywheel.report import loop_figures
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wait_until
 
 
 def test_a_new_run_sets_the_previous_one_aside(tmp_path: Path) -> None:
@@ -317,6 +317,34 @@ def test_the_stop_drains_generators_together_and_the_hub_after_them(tmp_path: Pa
     assert ("generator0", "exit") in seen and ("generator1", "exit") in seen, "a generator was killed mid-drain"
     assert seen["hub", "term"] >= max(seen["generator0", "exit"], seen["generator1", "exit"])
     assert took < 16 * 2, f"the generators drained one after the other ({took:.1f}s)"
+
+
+def test_a_scale_down_does_not_hold_the_loop_and_a_stop_meanwhile_still_drains_it(tmp_path: Path) -> None:
+    """A generator scaled down drains for up to generator.drain_timeout_s: the launcher waited
+    for it there, restarting nothing meanwhile, and a Ctrl-C during the wait left it running
+    after the hub had stopped (it was no longer among the services a stop stops)."""
+    from flywheel.procs import Service
+
+    events = tmp_path / "events"
+    launch = LocalLaunch(load_config(["--launch.run_dir", str(tmp_path / "run"), "--generator.drain_timeout_s", "30"]))
+    env = {"PYTHONPATH": str(ROOT)}
+    for name, drain_s in (("hub", "0"), ("generator0", "3"), ("generator1", "0")):
+        args = [name, drain_s, str(events)]
+        launch.services.append(Service(name, "tests.integration.draining_child", args, tmp_path, env=env))
+    time.sleep(1.0)  # their signal handlers installed
+    retired, quick = launch.services[1], launch.services[2]
+    started = time.monotonic()
+    launch._retire_generator(retired)
+    launch._retire_generator(quick)
+    assert time.monotonic() - started < 1.0, "the scale-down waited for the drain"
+    wait_until(lambda: not quick.alive(), 10, "the quick one drained")
+    launch._reap_retired()
+    assert [svc for svc, _ in launch.retiring] == [retired]
+    launch._shutdown()  # (the Ctrl-C): the one still draining is stopped with the generators
+    seen = {(name, what): float(t) for name, what, t in (line.split() for line in events.read_text().splitlines())}
+    assert ("generator0", "exit") in seen, "killed mid-drain, or left running"
+    assert seen["hub", "term"] >= seen["generator0", "exit"]
+    assert not retired.alive() and launch.retiring == []
 
 
 def test_a_dead_service_s_leftovers_go_with_it_and_its_group_is_never_signalled_again(
