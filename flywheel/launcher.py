@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import yaml
 from rich.console import Console
@@ -597,7 +598,11 @@ class LocalLaunch:
         backend: CommandBackend | ServiceBackend
         if a.backend == "command":
             assert a.command is not None
-            backend = CommandBackend(a.command, start=self.cfg.launch.generators)
+            # the deployment's own count, as far as the hub knows it: starting from
+            # launch.generators, the first "grow" to 2 stopped generators of a fleet of 4
+            running = self._hub_metrics().get("generators")
+            start = int(running) if running is not None else self.cfg.launch.generators
+            backend = CommandBackend(a.command, start=start)
         else:
             backend = ServiceBackend(self._start_generator, self._retire_generator, self.generators)
         self.console.print(f"autoscale: {a.min_generators}..{a.max_generators} generators ({a.backend})")
@@ -761,7 +766,13 @@ class LocalLaunch:
 
     def _hub_metrics(self) -> dict[str, float]:
         port = self.hub_ports.get("metrics_port")
-        return hub_metrics(self._host("hub"), port) if port else {}
+        if port:
+            return hub_metrics(self._host("hub"), port)
+        if "hub" not in self.cfg.launch.services and self.cfg.hub.metrics_port:
+            # a hub this launcher did not start (compose, Kubernetes): where its generators find it
+            host = urlparse(self.cfg.generator.hub_address).hostname or "127.0.0.1"
+            return hub_metrics(host, self.cfg.hub.metrics_port)
+        return {}
 
     def _sample(self) -> None:
         m = self._hub_metrics()

@@ -101,3 +101,32 @@ def test_a_slow_learner_shrinks_the_fleet_without_losing_a_lease(cluster: Cluste
     # the retired ones drained and left: counted as departures, not evictions
     wait_until(lambda: cluster.metrics()["flywheel_hub_generators_departed_total"] == 2, 15, "2 generators left")
     assert cluster.metrics()["flywheel_hub_generators_evicted_total"] == 0
+
+
+def test_a_launcher_that_did_not_start_the_hub_reads_it_and_counts_the_fleet_it_has(cluster: Cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Compose or Kubernetes runs the hub: the launcher read metrics only from a hub it had
+    started (every tick empty: nothing ever scaled), and counted launch.generators as running,
+    so its first "grow" to 2 stopped the generators of a bigger fleet."""
+    from flywheel.autoscale import CommandBackend
+    from flywheel.launcher import LocalLaunch
+    from flywheel.redis_server import free_port
+    from tests.integration.handgen import HandGenerator
+
+    metrics_port = free_port()
+    cluster.start_hub("--hub.metrics_port", str(metrics_port))
+    fleet = [HandGenerator(cluster.gen_address, f"g{i}") for i in range(3)]
+    for gen in fleet:
+        gen.register()
+    cfg = load_config(
+        [
+            "--launch.run_dir", str(tmp_path / "run"), "--launch.services", "[learner]",
+            "--generator.hub_address", cluster.gen_address, "--hub.metrics_port", str(metrics_port),
+            "--autoscale.enabled", "true", "--autoscale.backend", "command", "--autoscale.command", "true {replicas}",
+        ]
+    )  # fmt: skip
+    launch = LocalLaunch(cfg)
+    wait_until(lambda: launch._hub_metrics().get("generators") == 3, 20, "the hub's metrics, read from its address")
+    scaler = launch._autoscaler()
+    assert isinstance(scaler.backend, CommandBackend) and scaler.backend.replicas() == 3
+    for gen in fleet:
+        gen.close()
