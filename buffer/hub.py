@@ -92,6 +92,15 @@ class Hub:
             top_k=cfg.rollout.top_k,
             seed=cfg.rollout.seed,
         )
+        groups = len(source) * cfg.data.epochs
+        wanted = cfg.train.total_steps * cfg.async_.groups_per_step
+        if groups < wanted:
+            log.warning(
+                "%d prompts x data.epochs %d make %d groups, fewer than train.total_steps %d x async.groups_per_step "
+                "%d = %d: training will end at about step %d, when they are spent (raise --data.epochs)",
+                len(source), cfg.data.epochs, groups, cfg.train.total_steps, cfg.async_.groups_per_step, wanted,
+                groups // cfg.async_.groups_per_step,
+            )  # fmt: skip
         self.stats = HubStats()
         self.snapshots = SnapshotExchange(self.snapshot)  # /metrics reads the stats through the loop
         self.stats.watch_gc()
@@ -103,6 +112,7 @@ class Hub:
         self.groups_issued = 0
         self.groups_dropped = 0
         self.versions_without_batch = 0  # versions that trained no batch: admission takes them off v
+        self._data_done: bool | None = None  # what keys.data_done says (None: not written yet)
         self.claim_floor = -1  # the oldest version the learner's newest claim accepted (flywheel.store)
         self._admission_said_no = False
         self._blocked_at: float | None = None
@@ -608,6 +618,7 @@ class Hub:
             self._reap_dropped()
         if self.cfg.async_.revoke_stale:
             self._drop_doomed()
+        self._note_data_done()
         if now - self._last_expiry >= EXPIRY_S:
             self._last_expiry = now
             self._expire(now)
@@ -615,6 +626,19 @@ class Hub:
         if now - self._last_stats >= self.hcfg.stats_interval_s:
             self._last_stats = now
             self._log_stats()
+
+    def _note_data_done(self) -> None:
+        """Tell the learner when nothing more will come: the prompts are spent and no group is
+        open (a learner short of a batch then ends its training instead of waiting for good).
+        In the turn's transaction, with the reap that may re-queue prompts and so undo it."""
+        done = self.source.exhausted(self.epoch) and not self.requeued_prompts and not self.groups
+        if done != self._data_done:
+            self._data_done = done
+            if done:
+                self._pipe.set(self.keys.data_done, 1)
+                log.info("the prompts are spent (data.epochs %d) and every group issued is done", self.cfg.data.epochs)
+            else:
+                self._pipe.unlink(self.keys.data_done)
 
     def _refresh_learner_state(self) -> None:
         pipe = self.redis.pipeline(transaction=False)

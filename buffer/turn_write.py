@@ -107,6 +107,9 @@ class TurnWrite:
     def hincrby(self, key: str, field: Arg, amount: int = 1) -> None:
         self._command(b"HINCRBY", key, field, amount)
 
+    def set(self, key: str, value: Arg) -> None:
+        self._command(b"SET", key, value)
+
     def unlink(self, *keys: str) -> None:
         self._command(b"UNLINK", *keys)
 

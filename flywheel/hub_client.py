@@ -205,6 +205,19 @@ class BatchClient:
             log.warning("%d groups claimed before this start were never read: their data is removed", n)
         return n
 
+    def data_done(self) -> bool:
+        """The hub says no more groups will come: its prompts are spent (data.epochs), no group
+        is open, and none the learner dropped waits for it (a re-queue would bring more)."""
+
+        def read() -> bool:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.get(self.keys.data_done)
+            pipe.llen(self.keys.dropped)
+            flag, dropped = pipe.execute()
+            return flag is not None and int(dropped) == 0
+
+        return self._retry(read, "reading whether the data is spent")
+
     def get_version(self) -> int:
         raw = self._retry(lambda: self.redis.get(self.keys.version), "reading the version")
         return int(raw) if raw is not None else 0

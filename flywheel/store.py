@@ -56,6 +56,8 @@ class RunKeys:
         self.claim_floor = f"{tag}:claim_floor"  # the oldest version the newest claim accepted
         self.finish_at = f"{tag}:finish_at"  # the step a finish request ends training at (FINISH_SCRIPT)
         self.settings = f"{tag}:settings"  # the hub's SHARED_SETTINGS, which the learner's must equal
+        # set by the hub while its prompts are spent (data.epochs) and no group is left open
+        self.data_done = f"{tag}:data_done"
         self._tag = tag
         self._group_prefix = f"fw:{run}:g:{{{run}:"
         self._group_prefix_bytes = self._group_prefix.encode()

@@ -281,8 +281,11 @@ class Trainer:
             batch = self.claim()
             # Every rank holds its batch before any claims ahead: a claim for the next version
             # drops (and has the hub revoke) what is too stale for it, which a rank still waiting
-            # may need at this one.
-            self._agree_max(0)
+            # may need at this one. The ranks stop together when one is out of data.
+            if self._agree_max(int(batch is None)):
+                self._end_out_of_data(batch)
+                break
+            assert batch is not None
             waited = time.perf_counter() - t0
             if self.version + 1 < total:
                 self.claims.claim_ahead(self.version + 1)  # loads while this step trains
@@ -318,6 +321,18 @@ class Trainer:
             self._batches_without_signal = 0
             reporter(stats)
 
+    def _end_out_of_data(self, batch: Batch | None) -> None:
+        if batch is not None:  # another rank found none: this share is not trained on
+            self.client.note_finished(len(batch.groups), trained=False)
+        if self.rank == 0:
+            log.warning(
+                "the prompts are spent (data.epochs %d) before train.total_steps %d: training ends at v%d "
+                "(raise data.epochs to train longer)",
+                self.cfg.data.epochs,
+                self.cfg.train.total_steps,
+                self.version,
+            )
+
     def _note_batch_without_signal(self, batch: Batch) -> None:
         """Say so, or a run whose groups are all solved (or all failed) goes silent: no step, no
         metrics row. The count rides on the next step's metrics."""
@@ -345,9 +360,10 @@ class Trainer:
         )
         return finish
 
-    def claim(self) -> Batch:
-        """This step's batch. While it waits, generators that joined behind the last sync (or hold
-        no usable weights) get the current ones: at η = 0 nobody else could make the batch."""
+    def claim(self) -> Batch | None:
+        """This step's batch, or None once the hub says no more will come (its prompts spent).
+        While it waits, generators that joined behind the last sync (or hold no usable weights)
+        get the current ones: at η = 0 nobody else could make the batch."""
         timeout_s = self.cfg.train.batch_timeout_s
         deadline = time.monotonic() + timeout_s
         # Only rank 0 broadcasts, so only where it holds the whole model (not ZeRO-3 across ranks,
@@ -356,10 +372,11 @@ class Trainer:
         with WATCHDOG.wait(f"claim of the batch for v{self.version}", self.cfg.run.watchdog_s):
             while True:
                 left = max(deadline - time.monotonic(), 0.0)
-                wait_s = min(CATCH_UP_CHECK_S, left) if catch_up else left
                 try:
-                    return self.claims.claim(self.version, wait_s)
+                    return self.claims.claim(self.version, min(CATCH_UP_CHECK_S, left))
                 except BatchTimeout as err:
+                    if self.client.data_done():
+                        return None
                     if time.monotonic() >= deadline:
                         raise RuntimeError(f"learner v{self.version}: no batch within {timeout_s:g}s: {err}") from err
                 if catch_up:

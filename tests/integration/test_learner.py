@@ -461,3 +461,22 @@ def test_batches_without_signal_are_said_and_counted(cluster: Cluster, checkpoin
     assert "2 such batches since the last step" in learner.log_path.read_text()
     assert "2 groups claimed before this start were never trained on" in learner.log_path.read_text()
     learner.stop()
+
+
+def test_a_learner_whose_prompts_run_out_ends_its_training_there(cluster: Cluster, checkpoint_dir: Path) -> None:
+    """data.epochs spent before train.total_steps: the learner waited for a batch that would
+    never come (the run stalled, printing the same line for good). The hub says when its
+    prompts are spent and no group is open; the learner ends there, checkpoint and export
+    included, as at its last step."""
+    rows = [{"prompt": f"What is {a} + 2? Answer:"} for a in range(4)]  # two steps of two groups
+    (cluster.tmp / "four.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    start_rollouts(cluster, "--data.path", str(cluster.tmp / "four.jsonl"), "--data.epochs", "1")
+    export = cluster.tmp / "export"
+    learner = start_learner(cluster, checkpoint_dir, 1, "--train.total_steps", "10", "--train.export_dir", str(export))
+    assert learner.proc.wait(timeout=300) == 0, learner.tail(60)
+    assert (
+        "the prompts are spent (data.epochs 1) before train.total_steps 10: training ends at v2"
+        in learner.log_path.read_text()
+    )
+    assert (export / "flywheel_version").read_text() == "2"
+    assert "training will end at about step 2, when they are spent" in cluster.hub.log_path.read_text()  # said at start
