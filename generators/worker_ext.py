@@ -16,6 +16,22 @@ from flywheel.weights import WeightGroup, WeightSyncError, check_layout, join_an
 from flywheel.wire import Decoder, WeightsReady, WireError
 
 
+class _RotaryReloadNotice(logging.Filter):
+    """vLLM's in-place reload warns "RotaryEmbedding: Failed to load weights" at every sync: the
+    layer's cos/sin cache is computed, never in a checkpoint (nor in what the learner sends), and
+    vLLM puts the old one back. Expected, so not logged; the same warning for any other layer is."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        expected = (
+            record.msg == "%s: Failed to load weights" and bool(args) and str(args[0]).endswith("RotaryEmbedding")
+        )
+        return not expected
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadNotice())
+
+
 class WeightReceiverExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``model_runner``, ``device``, ...)."""
 
