@@ -68,6 +68,9 @@ async def serve(cfg: FlywheelConfig, max_seconds: float | None = None) -> int:
         link.close()
         sync.close()
         engine.shutdown()
+        # vLLM's __del__ shuts the engine down again, at interpreter exit, when its module
+        # globals are gone: a TypeError traceback at the end of every generator log
+        engine.shutdown = lambda *_, **__: None
     return 0
 
 

@@ -219,6 +219,7 @@ def test_bad_syncs_late_weights_and_drain(
     gen.proc.send_signal(signal.SIGTERM)
     assert gen.proc.wait(timeout=60) == 0
     assert "draining" in gen.log_path.read_text()
+    assert "AsyncLLM.__del__" not in gen.log_path.read_text(), "vLLM's second shutdown, at interpreter exit"
 
 
 def test_a_prompt_vllm_refuses_ends_its_samples_and_a_sync_that_never_came_keeps_the_leases(
