@@ -154,7 +154,10 @@ class RayLaunch(LocalLaunch):
         if not ray.is_initialized():
             env = {"env_vars": {**self._env(), "TOKENIZERS_PARALLELISM": "false"}}
             if la.ray_address is None:  # a local Ray with room for every service's reservation
-                need = la.cpus_per_service * (3 + la.generators)
+                # and for the generators the autoscaler may add outside the placement group (with
+                # no room they stayed pending, and each check of one waited out CALL_TIMEOUT_S)
+                fleet = max(la.generators, cfg.autoscale.max_generators if cfg.autoscale.enabled else 0)
+                need = la.cpus_per_service * (3 + fleet)
                 ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False, runtime_env=env)
             else:
                 ray.init(address=la.ray_address, runtime_env=env)
