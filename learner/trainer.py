@@ -321,6 +321,19 @@ class Trainer:
             self._batches_without_signal = 0
             reporter(stats)
 
+    def _align_lr_schedule(self) -> None:
+        """The LR schedule at this version. It counts the steps the weights took, which a resume
+        past the published version leaves behind it; train.total_steps counts versions, so a
+        linear or cosine decay would end short of its floor."""
+        sched = self.engine.lr_scheduler
+        if sched is None or sched.last_epoch == self.version:
+            return
+        lrs = [base * f(self.version) for base, f in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+        for group, lr in zip(sched.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        sched.last_epoch = self.version
+        sched._last_lr = lrs
+
     def _end_out_of_data(self, batch: Batch | None) -> None:
         if batch is not None:  # another rank found none: this share is not trained on
             self.client.note_finished(len(batch.groups), trained=False)
@@ -917,6 +930,7 @@ class Trainer:
                 published + 1,
             )
             self.version = published + 1
+            self._align_lr_schedule()
         self.client.release_claimed()  # this rank's own claims, before it makes any
         if self.rank == 0:
             self.client.set_version(self.version)

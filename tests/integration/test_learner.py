@@ -166,12 +166,18 @@ def resume_past_published_versions(
         str(run_dir),
         "--train.checkpoint_dir",
         str(ckpt),
+        "--train.lr_schedule",
+        "linear",
     )
     assert learner.proc.wait(timeout=300) == 0, learner.tail(60)
     assert int(r.get(keys.version) or 0) == last + 6
     steps = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [last + 5, last + 6]
     assert f"continuing as version {last + 4}" in learner.log_path.read_text()
+    # the LR schedule follows the version (train.total_steps counts versions), not the steps the
+    # checkpoint's weights took: it was left at the checkpoint's, and ended short of its floor
+    lr_after_first = 1e-4 * (1 - (last + 5) / (last + 6))  # the linear decay, after that step
+    assert steps[0]["lr"] == pytest.approx(lr_after_first, rel=1e-4), steps[0]["lr"]
 
 
 def test_ppo_with_a_critic_trains_and_checkpoints_both_models(cluster: Cluster, checkpoint_dir: Path) -> None:
