@@ -119,7 +119,9 @@ def _load_group(hub: Hub, gid: int) -> OpenGroup | None:
     for index, sample in enumerate(samples):
         chunks = stored.get(index, {})
         if sample.done is not None:
-            sample.oldest = sample.done.version  # read by the staleness check, which revokes old groups
+            # read by the staleness check, which revokes old groups; a sample with no token has
+            # no version (its stored 0 is none), as the live hub never set one from it
+            sample.oldest = sample.done.version if sample.done.n_tokens else None
             if sample.score is None:  # complete but unscored: score it again
                 sample.response = assemble(chunks, sample.done.n_chunks).tokens
                 hub.score_queue.append((gid, index))

@@ -171,6 +171,30 @@ def test_groups_a_learner_dropped_stay_listed_until_the_turn_that_removes_them_i
     assert hub._to_reap == 1  # read back with the write: the next reap takes it
 
 
+def test_a_restarted_hub_gives_a_sample_with_no_token_no_version(turns: TurnByTurn) -> None:
+    """A sample that ended with no token (an empty final chunk) has no version, and the live
+    hub gives it none; rebuilt from Redis, it read as version 0, and the group, still fresh,
+    was dropped as too stale at the restarted hub's first check."""
+    hub = turns.hub
+    lease = _leased(turns)
+    empty = make_chunk(lease, 0, 0, version=0, final=True, n=0)
+    turns.send(empty)
+    turns.send(make_chunk(lease, 1, 0, version=5, final=False))
+    turns.take(messages=2)
+    assert _acked(turns.end(ChunkAck)) == (2, [])
+    assert hub.groups[lease.group_id].oldest_seen() == 5
+    turns.close()
+    hub.gen_sock.close(linger=0)
+    hub.reward_sock.close(linger=0)
+    again = Hub(hub.cfg, PromptSource.from_config(hub.cfg.data), hub.redis)  # after a kill -9
+    recovery.load(again)
+    turns.hub = again  # the fixture closes its sockets
+    assert again.groups[lease.group_id].oldest_seen() == 5
+    again.learner_version = 5  # η = 1: v5 is fresh
+    again._drop_doomed()
+    assert lease.group_id in again.groups
+
+
 def test_a_restarted_hub_still_sees_how_old_a_generating_group_is(turns: TurnByTurn) -> None:
     """The version of a sample's first token is kept in memory only; a hub rebuilt from Redis
     must find it again, or a group already too stale would hold its admission slot and its
