@@ -73,7 +73,11 @@ def load(hub: Hub) -> None:
         else:
             gen.leases.add(rec.lease_id)
             hub.leases[rec.lease_id].owner = gen.identity
-            rec.deadline = max(rec.deadline, time.time() + hub.hcfg.generator_timeout_s)
+            # Its generator's next heartbeat lists it, and so extends it, if the generator has
+            # it; a lease written but never sent (the hub killed between its write and its
+            # send) is listed by none and goes back within the generator timeout, not after
+            # the whole lease_timeout_s, its group and the generator's slot held all along.
+            rec.deadline = time.time() + hub.hcfg.generator_timeout_s
 
     # the version of each unfinished sample's first token (its current lease's chunks only), so
     # that a group already too stale is dropped while generating, as it would have been

@@ -195,6 +195,25 @@ def test_a_restarted_hub_gives_a_sample_with_no_token_no_version(turns: TurnByTu
     assert lease.group_id in again.groups
 
 
+def test_a_lease_a_restarted_hub_finds_assigned_goes_back_unless_its_generator_lists_it(turns: TurnByTurn) -> None:
+    """A lease is written with its turn and sent after it: a hub killed in between comes back
+    with a lease its generator never heard of, which held the group and the generator's slot
+    for the whole lease_timeout_s (60 s). It now has until the generator timeout, and a
+    heartbeat that lists it (its generator has it) extends it as always."""
+    hub = turns.hub
+    lease = _leased(turns)
+    turns.close()
+    hub.gen_sock.close(linger=0)
+    hub.reward_sock.close(linger=0)
+    again = Hub(hub.cfg, PromptSource.from_config(hub.cfg.data), hub.redis)  # after a kill -9
+    recovery.load(again)
+    turns.hub = again  # the fixture closes its sockets
+    deadline = again.leases[lease.lease_id].record.deadline - time.time()
+    assert deadline <= hub.hcfg.generator_timeout_s + 1, f"{deadline:.0f}s left"
+    again._on_heartbeat(b"gen", Heartbeat(generator_id="gen", weight_version=0, lease_ids=[lease.lease_id]))
+    assert again.leases[lease.lease_id].record.deadline - time.time() > hub.hcfg.generator_timeout_s + 1
+
+
 def test_a_restarted_hub_still_sees_how_old_a_generating_group_is(turns: TurnByTurn) -> None:
     """The version of a sample's first token is kept in memory only; a hub rebuilt from Redis
     must find it again, or a group already too stale would hold its admission slot and its
