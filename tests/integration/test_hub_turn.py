@@ -65,6 +65,17 @@ class TurnByTurn:
             out.append(self.decoder.decode(self.sock.recv()))
         return out
 
+    def restart_hub(self) -> Hub:
+        """The hub as a kill -9 and a restart leave it: this one's sockets gone, a new one
+        rebuilt from Redis (no generator connected to it yet)."""
+        self.close()
+        old = self.hub
+        old.gen_sock.close(linger=0)
+        old.reward_sock.close(linger=0)
+        self.hub = Hub(old.cfg, PromptSource.from_config(old.cfg.data), old.redis)
+        recovery.load(self.hub)
+        return self.hub  # (the fixture closes its sockets)
+
     def close(self) -> None:
         self.sock.close(linger=0)
 
@@ -183,12 +194,7 @@ def test_a_restarted_hub_gives_a_sample_with_no_token_no_version(turns: TurnByTu
     turns.take(messages=2)
     assert _acked(turns.end(ChunkAck)) == (2, [])
     assert hub.groups[lease.group_id].oldest_seen() == 5
-    turns.close()
-    hub.gen_sock.close(linger=0)
-    hub.reward_sock.close(linger=0)
-    again = Hub(hub.cfg, PromptSource.from_config(hub.cfg.data), hub.redis)  # after a kill -9
-    recovery.load(again)
-    turns.hub = again  # the fixture closes its sockets
+    again = turns.restart_hub()
     assert again.groups[lease.group_id].oldest_seen() == 5
     again.learner_version = 5  # η = 1: v5 is fresh
     again._drop_doomed()
@@ -202,12 +208,7 @@ def test_a_lease_a_restarted_hub_finds_assigned_goes_back_unless_its_generator_l
     heartbeat that lists it (its generator has it) extends it as always."""
     hub = turns.hub
     lease = _leased(turns)
-    turns.close()
-    hub.gen_sock.close(linger=0)
-    hub.reward_sock.close(linger=0)
-    again = Hub(hub.cfg, PromptSource.from_config(hub.cfg.data), hub.redis)  # after a kill -9
-    recovery.load(again)
-    turns.hub = again  # the fixture closes its sockets
+    again = turns.restart_hub()
     deadline = again.leases[lease.lease_id].record.deadline - time.time()
     assert deadline <= hub.hcfg.generator_timeout_s + 1, f"{deadline:.0f}s left"
     again._on_heartbeat(b"gen", Heartbeat(generator_id="gen", weight_version=0, lease_ids=[lease.lease_id]))
@@ -223,12 +224,7 @@ def test_a_restarted_hub_still_sees_how_old_a_generating_group_is(turns: TurnByT
     turns.send(make_chunk(lease, 0, 0, version=0, final=False))
     turns.take()
     assert _acked(turns.end(ChunkAck)) == (1, [])
-    turns.close()
-    hub.gen_sock.close(linger=0)
-    hub.reward_sock.close(linger=0)
-    again = Hub(hub.cfg, PromptSource.from_config(hub.cfg.data), hub.redis)  # after a kill -9
-    recovery.load(again)
-    turns.hub = again  # the fixture closes its sockets
+    again = turns.restart_hub()
     group = again.groups[lease.group_id]
     assert group.oldest_seen() == 0
     again.learner_version = 3  # η = 1: a v0 token is too stale from v2 on

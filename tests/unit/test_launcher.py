@@ -298,18 +298,25 @@ def test_a_dead_learner_s_place_goes_to_the_standby_learner(tmp_path: Path, monk
     assert sorted(s.name for s in launch.services) == ["learner", "learner_standby"]
 
 
-def test_the_stop_drains_generators_together_and_the_hub_after_them(tmp_path: Path) -> None:
-    """Generators stop together, each given its drain (generator.drain_timeout_s) to give its
-    leases back, not one after another on a fixed 15 s; the hub stops once they are done."""
+def draining_services(tmp_path: Path, **drain_s: float) -> tuple[LocalLaunch, Path]:
+    """A launcher holding a stand-in service per name (``tests/integration/draining_child``),
+    each draining that many seconds on SIGTERM; the file they write their term and exit to."""
     from flywheel.procs import Service
 
     events = tmp_path / "events"
     launch = LocalLaunch(load_config(["--launch.run_dir", str(tmp_path / "run"), "--generator.drain_timeout_s", "30"]))
     env = {"PYTHONPATH": str(ROOT)}
-    for name, drain_s in (("hub", "0"), ("generator0", "16"), ("generator1", "16")):
-        args = [name, drain_s, str(events)]
+    for name, seconds in drain_s.items():
+        args = [name, str(seconds), str(events)]
         launch.services.append(Service(name, "tests.integration.draining_child", args, tmp_path, env=env))
     time.sleep(1.0)  # their signal handlers installed
+    return launch, events
+
+
+def test_the_stop_drains_generators_together_and_the_hub_after_them(tmp_path: Path) -> None:
+    """Generators stop together, each given its drain (generator.drain_timeout_s) to give its
+    leases back, not one after another on a fixed 15 s; the hub stops once they are done."""
+    launch, events = draining_services(tmp_path, hub=0, generator0=16, generator1=16)
     started = time.monotonic()
     launch._shutdown()
     took = time.monotonic() - started
@@ -323,15 +330,7 @@ def test_a_scale_down_does_not_hold_the_loop_and_a_stop_meanwhile_still_drains_i
     """A generator scaled down drains for up to generator.drain_timeout_s: the launcher waited
     for it there, restarting nothing meanwhile, and a Ctrl-C during the wait left it running
     after the hub had stopped (it was no longer among the services a stop stops)."""
-    from flywheel.procs import Service
-
-    events = tmp_path / "events"
-    launch = LocalLaunch(load_config(["--launch.run_dir", str(tmp_path / "run"), "--generator.drain_timeout_s", "30"]))
-    env = {"PYTHONPATH": str(ROOT)}
-    for name, drain_s in (("hub", "0"), ("generator0", "3"), ("generator1", "0")):
-        args = [name, drain_s, str(events)]
-        launch.services.append(Service(name, "tests.integration.draining_child", args, tmp_path, env=env))
-    time.sleep(1.0)  # their signal handlers installed
+    launch, events = draining_services(tmp_path, hub=0, generator0=3, generator1=0)
     retired, quick = launch.services[1], launch.services[2]
     started = time.monotonic()
     launch._retire_generator(retired)
