@@ -993,8 +993,9 @@ def write_atomically(path: Path, text: str) -> None:
 
 def prune_checkpoints(directory: Path, latest: int, keep: int) -> list[int]:
     """Delete the checkpoints (``v{N}``, the critic's too) but the ``keep`` newest up to
-    ``latest``: older ones, and any a kill left half-written (they are never ``latest``, and a
-    resumed learner never saves their version again). Returns the versions deleted."""
+    ``latest``. A save a kill left half-written goes in its turn, as it falls out of the newest
+    (it is never ``latest``, and a resumed learner never saves its version again). Returns the
+    versions deleted."""
     if keep <= 0:
         return []
     versions = sorted(int(p.name[1:]) for p in directory.glob("v*") if p.is_dir() and p.name[1:].isdigit())
