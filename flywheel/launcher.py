@@ -131,6 +131,15 @@ def assign_gpus(gpus: list[str], learner_ranks: int, generator_gpus: list[int]) 
     return plan
 
 
+def write_private(path: Path, text: str) -> None:
+    """A run file readable by its owner only: the run's Redis URL (``redis.url``) may hold the
+    password, and a run directory is shared as often as not."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)  # (a file already there kept its mode through the open)
+
+
 def set_aside(run_dir: Path) -> Path | None:
     """Move a previous run out of ``run_dir`` (to ``run_dir.1``, ``.2``, ...) so a new run starts
     clean: its Redis would otherwise reload the old run's AOF (versions, queues, leases) and the
@@ -282,7 +291,7 @@ class LocalLaunch:
         if self.redis is not None:
             pids["redis"] = self.redis.proc.pid
         tmp = self.run_dir / f"{SERVICES_FILE}.tmp"
-        tmp.write_text(json.dumps({"pids": pids, "restarts": dict(self.restarts), "redis_url": self.redis_url}))
+        write_private(tmp, json.dumps({"pids": pids, "restarts": dict(self.restarts), "redis_url": self.redis_url}))
         tmp.replace(self.run_dir / SERVICES_FILE)
 
     @cached_property
@@ -381,7 +390,7 @@ class LocalLaunch:
         """The recipe as resolved (everything but what the launcher passes as flags)."""
         data = self.cfg.model_dump(mode="json", by_alias=True)
         data["train"]["model"] = model
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+        write_private(self.run_dir / "config.yaml", yaml.safe_dump(data, sort_keys=False))
 
     def _warm_start(self, model: str) -> str:
         out = self.run_dir / "sft_model"

@@ -122,6 +122,19 @@ class Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_o
 # --------------------------------------------------------------------------- generator → hub
 
 
+MAX_MODEL_CHARS = 4096  # a Register's model name or path
+MAX_BREAKDOWN = 1024  # a Score's named reward terms
+MAX_ERROR_CHARS = 16384  # a Score's error text (the reward service clips longer ones)
+
+
+def clip_error(text: str) -> str:
+    """``text`` within MAX_ERROR_CHARS: its start (what failed) and its end (where)."""
+    if len(text) <= MAX_ERROR_CHARS:
+        return text
+    half = MAX_ERROR_CHARS // 2 - 16
+    return f"{text[:half]} [... {len(text) - 2 * half} characters ...] {text[-half:]}"
+
+
 class Register(Message, tag=True):
     """A generator announces itself (and again after it restarts or the hub restarts)."""
 
@@ -132,6 +145,8 @@ class Register(Message, tag=True):
 
     def check(self) -> None:
         _require(0 < len(self.generator_id) <= 128, "generator_id", "must be 1..128 characters")
+        # (kept in the hub's memory and in Redis, rewritten at every version change)
+        _require(len(self.model) <= MAX_MODEL_CHARS, "model", f"must be at most {MAX_MODEL_CHARS} characters")
         _require(1 <= self.capacity <= 65536, "capacity", f"must be in 1..65536, got {self.capacity}")
         _check_nonneg(self.weight_version, "weight_version")
 
@@ -373,6 +388,12 @@ class Score(Message, tag=True):
         _check_nonneg(self.group_id, "group_id")
         _check_nonneg(self.sample, "sample")
         _require(math.isfinite(self.reward), "reward", "must be finite")
+        # stored with the sample and logged: bounded, as everything a peer can make the hub keep
+        _require(len(self.breakdown) <= MAX_BREAKDOWN, "breakdown", f"at most {MAX_BREAKDOWN} entries")
+        _require(all(len(k) <= 256 for k in self.breakdown), "breakdown", "names of at most 256 characters")
+        _require(
+            self.error is None or len(self.error) <= MAX_ERROR_CHARS, "error", f"at most {MAX_ERROR_CHARS} characters"
+        )
 
 
 class ScoreBatch(Message, tag=True):

@@ -19,7 +19,18 @@ import zmq
 
 from flywheel.config import RewardConfig, SecurityConfig
 from flywheel.netsec import curve_client
-from flywheel.wire import Decoder, Rejections, RewardRegister, Score, ScoreBatch, ScoreRequest, WireError, encode
+from flywheel.wire import (
+    MAX_BREAKDOWN,
+    Decoder,
+    Rejections,
+    RewardRegister,
+    Score,
+    ScoreBatch,
+    ScoreRequest,
+    WireError,
+    clip_error,
+    encode,
+)
 from reward_service.pool import WorkerPool
 from reward_service.scoring import Item, Outcome
 
@@ -160,8 +171,8 @@ class RewardService:
                     group_id=item.key[0],
                     sample=item.key[1],
                     reward=reward,
-                    breakdown=out.breakdown,
-                    error=out.error,
+                    breakdown=dict(list(out.breakdown.items())[:MAX_BREAKDOWN]),
+                    error=None if out.error is None else clip_error(out.error),
                 )
             )
         for i in range(0, len(scores), SCORES_PER_FRAME):  # one frame per worker batch, bounded

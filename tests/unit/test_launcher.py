@@ -438,3 +438,14 @@ def test_a_service_crashing_again_waits_a_doubling_back_off_before_its_restart(
     launch.restart_times["generator0"] = deque(t - 61 for t in launch.restart_times["generator0"])  # up a minute
     assert crash_and_restart() < 0.1
     assert launch.restarts["generator0"] == 4
+
+
+def test_the_run_files_that_hold_the_redis_url_are_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis.url may carry the password (redis://user:pass@host): config.yaml and services.json
+    were written 0644 into a directory others may read."""
+    launch = _launch(tmp_path, monkeypatch, [], "--redis.url", "redis://fw:s3cret@10.0.0.5:6379/0")
+    launch._write_config("model")
+    launch._publish_pids()
+    for name in ("config.yaml", "services.json"):
+        path = tmp_path / name
+        assert "s3cret" in path.read_text() and path.stat().st_mode & 0o777 == 0o600, name

@@ -170,6 +170,20 @@ def _mutated(msg: object, **changes: object) -> bytes:
             "capacity",
         ),
         (_mutated(Score(worker_id="w", group_id=1, sample=0, reward=0.0), reward=math.inf), "invalid_field", "reward"),
+        # what a peer can make the hub keep (in memory, in Redis, in its log) is bounded
+        (
+            _mutated(Register(generator_id="g", model="m", capacity=1, weight_version=0), model="m" * 5000),
+            "invalid_field",
+            "model",
+        ),
+        (_mutated(Score(worker_id="w", group_id=1, sample=0, reward=0.0), error="e" * 20000), "invalid_field", "error"),
+        (
+            _mutated(
+                Score(worker_id="w", group_id=1, sample=0, reward=0.0), breakdown={str(i): 0.0 for i in range(2000)}
+            ),
+            "invalid_field",
+            "breakdown",
+        ),
         (encode(Release(generator_id="g", lease_ids=[5, 5])), "invalid_field", "lease_ids"),
     ],
 )
@@ -298,3 +312,14 @@ def test_a_lease_vllm_would_refuse_is_refused_on_receipt(
     with pytest.raises(WireError) as err:
         Decoder(ToGenerator).decode(encode(lease))
     assert (err.value.reason, err.value.field) == ("invalid_field", field)
+
+
+def test_a_long_reward_error_is_clipped_to_what_the_hub_takes() -> None:
+    from flywheel.wire import MAX_ERROR_CHARS, clip_error
+
+    trace = "ValueError: the judge failed\n" + "  frame\n" * 10_000 + "at the end"
+    clipped = clip_error(trace)
+    assert len(clipped) <= MAX_ERROR_CHARS and clipped.startswith("ValueError") and clipped.endswith("at the end")
+    score = Score(worker_id="w", group_id=1, sample=0, reward=0.0, error=clipped)
+    assert Decoder(ToHub).decode(encode(score)) == score
+    assert clip_error("short") == "short"
