@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -130,6 +131,11 @@ class WorkerPool:
 
     def _kill(self, w: Worker) -> None:
         if w.proc.is_alive():
+            # what the reward function started goes with it (a sandbox running generated code,
+            # say): killed alone, the worker left them running, holding the service's output
+            for pid in _descendants(w.proc.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
             w.proc.kill()
         w.proc.join(timeout=5)
         w.conn.close()
@@ -142,6 +148,26 @@ class WorkerPool:
         for w in self.workers:
             w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
             self._kill(w)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux: read from /proc; elsewhere none)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])  # after the name, which may hold spaces
+                children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _worker_main(conn: Connection, specs: list[FunctionSpec], tokenizer: str | None, context: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import time
 from typing import Any
 
@@ -31,8 +32,13 @@ def raises_on_some(prompts: list[str], completions: list[str], metadata: list[di
     return [1.0] * len(completions)
 
 
+HUNG_CHILD_MARKER = "9871"  # the seconds of the sleep a hung reward function leaves behind
+
+
 def hangs_on_some(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
     if any(_culprit(ids) for ids in kwargs["completion_ids"]):
+        # what it starts (a sandbox, say) must go with it: the test looks for this sleep after
+        subprocess.Popen(["sleep", HUNG_CHILD_MARKER])
         while True:  # a pure-Python spin: no thread could stop it, only killing the worker does
             time.sleep(0)
     return [1.0] * len(completions)

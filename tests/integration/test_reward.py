@@ -96,6 +96,14 @@ def test_raising_and_nan_rewards_are_errors_with_the_fixed_reward(cluster: Clust
     assert any(len(s.tokens) % 5 == 0 for s in samples), "no culprit sample: nothing was tested"
 
 
+def hung_children() -> list[int]:
+    import psutil
+
+    from tests.integration.reward_fns import HUNG_CHILD_MARKER
+
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", HUNG_CHILD_MARKER]]
+
+
 def test_a_hanging_function_is_killed_and_only_its_groups_are_dropped(cluster: Cluster) -> None:
     start_hub_and_generator(cluster, "--async.max_staleness", "1")
     reward = cluster.start_reward(
@@ -114,6 +122,8 @@ def test_a_hanging_function_is_killed_and_only_its_groups_are_dropped(cluster: C
         return m["flywheel_hub_groups_ready_total"] >= 4 and m["flywheel_hub_groups_dropped_reward_total"] >= 2
 
     wait_until(progress, 120, "4 groups ready and 2 dropped for a hung reward", poll_s=0.3)
+    # the process each hung call started went with its killed worker (it outlived it, and the run)
+    wait_until(lambda: not hung_children(), 10, "no child of a killed worker left running")
     cluster.services[1].stop()  # the generator: what it finished must now all be answered
     m = settle(cluster, timeout_s=60)
     assert m["flywheel_hub_scores_in_total"] == m["flywheel_hub_samples_completed_total"]
