@@ -177,6 +177,16 @@ class RayLaunch(LocalLaunch):
         self.console.print(
             f"ray: placement group of {len(bundles)} bundles on {len(set(self.node_ip.values()))} node(s)"
         )
+        if self.spread:  # the services then bind every interface (0.0.0.0), Redis included
+            if not cfg.security.curve:
+                self.console.print(
+                    "[yellow]ray: services spread over nodes listen on every interface, and --security.curve is "
+                    "off: anyone who reaches these nodes can talk to the hub and the weight sync"
+                )
+            if cfg.redis.password_file is None and "@" not in (cfg.redis.url or ""):
+                self.console.print(
+                    "[yellow]ray: Redis listens on every interface with no password: set --redis.password_file"
+                )
 
     def _spare_generators(self) -> int:
         return 0  # a spare waits for a file the launcher writes on its own machine
