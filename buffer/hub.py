@@ -404,6 +404,7 @@ class Hub:
         leases, groups, turn_chunks = self.leases, self.groups, self._turn_chunks
         deadline = time.time() + self.hcfg.lease_timeout_s
         stats = self.stats
+        max_tokens = self.sampling.max_tokens
         for c in chunks:
             lease = leases.get(c.lease_id)
             if lease is None and c.lease_id in self._revoked_leases:
@@ -428,12 +429,17 @@ class Hub:
             if sample.done is not None:
                 self._reject_chunk(identity, c, "seq_after_final")
                 continue
+            n = len(c.tokens) >> 2
+            if sample.tokens + n > max_tokens:  # a generator past its lease: bounded, as all a peer sends
+                self._reject_chunk(identity, c, "over_max_tokens")
+                continue
             if c.finish_reason is not None or sample.final_seq is not None:
                 reason = self._final_chunk_conflict(sample, c)
                 if reason:
                     self._reject_chunk(identity, c, reason)
                     continue
             sample.chunks[seq] = c
+            sample.tokens += n
             if sample.oldest is None:
                 sample.note_chunk_version(c.versions)
                 if sample.oldest is not None and sample.oldest < self._doom_floor:
@@ -441,7 +447,7 @@ class Hub:
             turn_chunks[c.group_id].append(c)
             acks += (c.group_id, c.sample, seq)
             stats.chunks_in += 1
-            stats.tokens_in += len(c.tokens) >> 2
+            stats.tokens_in += n
             lease.record.deadline = deadline
             if group.state is GroupState.ISSUED:
                 group.move(GroupState.GENERATING)

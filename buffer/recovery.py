@@ -131,6 +131,7 @@ def _load_group(hub: Hub, gid: int) -> OpenGroup | None:
                 hub.score_queue.append((gid, index))
             continue
         sample.chunks = chunks
+        sample.tokens = sum(len(c.tokens) >> 2 for c in chunks.values())
         for chunk in chunks.values():
             sample.lease_id = chunk.lease_id
             if chunk.finish_reason is not None:

@@ -23,6 +23,7 @@ class SampleAssembly:
     response: bytes | None = None  # packed tokens, kept only until the sample is scored
     score: StoredScore | None = None
     oldest: int | None = None  # version of the first token accepted: the oldest (note_chunk_version)
+    tokens: int = 0  # accepted so far under this lease (at most the lease's max_tokens)
 
     def note_chunk_version(self, versions: bytes) -> None:
         """Called for the sample's first accepted chunk only (the hot path skips it after): its
@@ -65,7 +66,7 @@ class SampleAssembly:
         Those already stored, or taken this turn (written with it: they were acknowledged), stay
         in Redis, superseded by the new lease's (``chunks_by_sample``)."""
         self.lease_id, self.chunks, self.final_seq = lease_id, {}, None
-        self.oldest = None
+        self.oldest, self.tokens = None, 0
 
 
 @dataclass

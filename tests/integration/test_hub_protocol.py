@@ -286,8 +286,9 @@ def test_a_backlog_of_chunks_goes_out_in_frames_the_hub_accepts(cluster: Cluster
     """Tokens held back by flow control or a hub restart go out at once: in one frame, past the
     hub's message limit, they were refused whole, on every resend, and never acknowledged."""
     cluster.start_hub(
-        "--data.n_samples_per_prompt", "2", "--async.groups_per_step", "1", "--hub.max_message_bytes", "4096"
-    )
+        "--data.n_samples_per_prompt", "2", "--async.groups_per_step", "1", "--hub.max_message_bytes", "4096",
+        "--rollout.max_tokens", "2048",
+    )  # fmt: skip
     g = HandGenerator(cluster.gen_address, "gen", max_message_bytes=4096)
     g.register()
     lease = g.wait_lease()
@@ -295,6 +296,21 @@ def test_a_backlog_of_chunks_goes_out_in_frames_the_hub_accepts(cluster: Cluster
     g.link.send_chunks(backlog)
     pump_until(g, lambda: g.acked == len(backlog) and not g.link.unacked, "the whole backlog acknowledged")
     assert rejected(cluster, "oversized") == 0
+    g.close()
+
+
+def test_a_sample_past_its_leases_max_tokens_is_refused(cluster: Cluster) -> None:
+    """What a generator sends for one sample is bounded by the lease's max_tokens: a buggy or
+    hostile one grew a sample without limit in the hub's memory and in Redis, then in a batch."""
+    cluster.start_hub("--data.n_samples_per_prompt", "2", "--async.groups_per_step", "1", "--rollout.max_tokens", "8")
+    g = HandGenerator(cluster.gen_address, "gen")
+    g.register()
+    lease = g.wait_lease()
+    g.send(make_chunk(lease, 0, 0, 0, final=False, n=4), make_chunk(lease, 0, 1, 0, final=False, n=4))
+    pump_until(g, lambda: g.acked == 2, "the first 8 tokens acknowledged")
+    g.send(make_chunk(lease, 0, 2, 0, final=True, n=1))
+    pump_until(g, lambda: g.rejected == 1, "the ninth token refused")
+    assert rejected(cluster, "over_max_tokens") == 1
     g.close()
 
 
