@@ -56,6 +56,15 @@ class WeightSyncError(RuntimeError):
     """A weight transfer failed: bad layout, a peer missing its deadline, a transport error."""
 
 
+class RanksMissing(WeightSyncError):
+    """Rank 0 waited out the rendezvous and these ranks never came (dead, hung, or unable to reach
+    the store): the learner leaves their generators out rather than fail every later sync too."""
+
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in _DTYPES:
@@ -271,6 +280,8 @@ def join_group(
             # (WeightGroup.finish), which aborts the group first
             opts._timeout = timeout + timedelta(seconds=NCCL_WATCHDOG_GRACE_S)
             pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+    except RanksMissing:  # rank 0's: it names the absent ranks, which the learner acts on
+        raise
     except (RuntimeError, dist.DistStoreError) as err:
         raise WeightSyncError(
             f"could not join the {transport} weight group at {host}:{port} as rank {rank}/{world_size}: {err}"
@@ -289,12 +300,20 @@ def join_group(
 def _all_joined(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
     """A barrier on the rendezvous store before the group is built: NCCL builds its communicator
     at the first broadcast, in a call that waits for every rank with no timeout at all, so a rank
-    that never came (dead, or its announcement lost) would hang rank 0 for good."""
+    that never came (dead, or its announcement lost) would hang rank 0 for good.
+
+    Each rank also leaves its own mark, so that rank 0, when the wait runs out, can name the ranks
+    that never came (``RanksMissing``)."""
+    store.set(f"arrived/{rank}", b"1")
     store.add("joined", 1)
     deadline = time.monotonic() + timeout_s
     while (joined := store.add("joined", 0)) < world_size:
         if time.monotonic() > deadline:
-            raise WeightSyncError(f"{joined} of {world_size} ranks joined the weight group within {timeout_s:g}s")
+            message = f"{joined} of {world_size} ranks joined the weight group within {timeout_s:g}s"
+            if rank != 0:
+                raise WeightSyncError(message)
+            missing = [r for r in range(world_size) if not store.check([f"arrived/{r}"])]
+            raise RanksMissing(f"{message}; never came: ranks {missing}", missing)
         time.sleep(0.005)
 
 

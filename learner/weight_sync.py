@@ -4,7 +4,10 @@ Generators announce themselves with ``SyncJoin`` on the learner's ROUTER socket 
 A sync publishes ``WeightsReady`` on the PUB socket, builds the process group when its membership
 changed (the learner hosts the rendezvous store), broadcasts the buckets and waits for every
 member's ``WeightsAck`` until the deadline. A member that errs or misses the deadline is evicted
-and the group is rebuilt at the next sync; the learner never waits past the deadline.
+and the group is rebuilt at the next sync; the learner never waits past the deadline. A member
+whose ranks never came to the group's rendezvous (hung, or unable to reach the learner's store)
+would fail every sync it is in, the whole fleet's with it: it is left out of syncs for a while
+(``Quarantine``), longer at each repeat, while the others go on.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import zmq
 
 from flywheel.config import SecurityConfig, SyncConfig
 from flywheel.netsec import curve_server
-from flywheel.weights import WeightGroup, WeightSyncError, host_store, join_group, plan_buckets, send
+from flywheel.weights import RanksMissing, WeightGroup, WeightSyncError, host_store, join_group, plan_buckets, send
 from flywheel.wire import Decoder, Rejections, SyncJoin, ToLearner, WeightsAck, WeightsReady, WireError, encode
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,41 @@ class Member:
 # (a restarted learner's first sync would then wait out its deadline for nothing). A member takes
 # part in syncs only once it has been joined this long.
 JOIN_SETTLE_S = 1.0
+
+QUARANTINE_MAX_S = 600.0
+"""The longest a generator that never came to a rendezvous is left out of syncs."""
+
+
+@dataclass
+class Quarantine:
+    """Generators left out of syncs because their ranks never came to a group's rendezvous: each
+    repeat doubles the time out (from the sync timeout up to ``QUARANTINE_MAX_S``); a sync it acks
+    clears its record."""
+
+    base_s: float
+    until: dict[str, float] = field(default_factory=dict)  # generator -> monotonic end of its time out
+    strikes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, gen_id: str, why: str) -> None:
+        strikes = self.strikes.get(gen_id, 0) + 1
+        self.strikes[gen_id] = strikes
+        seconds = min(self.base_s * 2 ** (strikes - 1), QUARANTINE_MAX_S)
+        self.until[gen_id] = time.monotonic() + seconds
+        log.warning(
+            "generator %s %s: left out of weight syncs for %.0fs (time %d); check that it reaches the "
+            "learner's sync.host and its ports",
+            gen_id,
+            why,
+            seconds,
+            strikes,
+        )
+
+    def holds(self, gen_id: str, now: float) -> bool:
+        return now < self.until.get(gen_id, 0.0)
+
+    def clear(self, gen_id: str) -> None:
+        self.until.pop(gen_id, None)
+        self.strikes.pop(gen_id, None)
 
 
 @dataclass
@@ -97,6 +135,7 @@ class WeightBroadcaster:
         self._acks: dict[str, WeightsAck] = {}
         self._restarted: set[str] = set()  # members whose process was replaced since the sync started
         self._store_port = 0  # rendezvous port of the current group
+        self.quarantine = Quarantine(base_s=max(cfg.timeout_s, 10.0))
 
     # ------------------------------------------------------------------ membership
 
@@ -138,6 +177,7 @@ class WeightBroadcaster:
                     # one's ack would wait for its deadline. It joins afresh (JOIN_SETTLE_S).
                     log.info("generator %s is back (v%d, was v%d)", msg.generator_id, msg.version, old.version)
                     self._restarted.add(msg.generator_id)
+                    self.quarantine.clear(msg.generator_id)  # a new process: a fresh start
                     old = None
                 self.members[msg.generator_id] = Member(
                     msg.workers, msg.version, now, old.joined if old else now, msg.needs_weights
@@ -160,7 +200,11 @@ class WeightBroadcaster:
         for gen_id in [g for g, m in self.members.items() if now - m.last_seen > self.cfg.member_timeout_s]:
             log.warning("generator %s silent for %.0fs: leaves the weight sync", gen_id, self.cfg.member_timeout_s)
             del self.members[gen_id]
-        return {g: m for g, m in self.members.items() if now - m.joined >= JOIN_SETTLE_S}
+        return {
+            g: m
+            for g, m in self.members.items()
+            if now - m.joined >= JOIN_SETTLE_S and not self.quarantine.holds(g, now)
+        }
 
     def _await_settling(self) -> None:
         """Wait (at most JOIN_SETTLE_S) for members that joined moments ago rather than skip them:
@@ -252,6 +296,8 @@ class WeightBroadcaster:
             report.broadcast_s = send(self.group, buckets, tensors)
         except WeightSyncError as err:
             log.error("weight sync v%d failed: %s; the group is rebuilt at the next sync", version, err)
+            if isinstance(err, RanksMissing):
+                self._quarantine_absent(err.missing)
             self._close_group()
         self._collect_acks(version, deadline, report)
         report.total_s = time.perf_counter() - started
@@ -274,6 +320,7 @@ class WeightBroadcaster:
                 waiting.discard(gen_id)
                 if ack.error is None and ack.version == version:
                     report.acked.append(gen_id)
+                    self.quarantine.clear(gen_id)
                 else:
                     report.evicted[gen_id] = ack.error or f"acked version {ack.version}"
         for gen_id in waiting:
@@ -284,6 +331,13 @@ class WeightBroadcaster:
                 if gen_id not in self._restarted:  # (a restarted one has joined afresh already)
                     self.members.pop(gen_id, None)  # it rejoins with its next SyncJoin
             self._close_group()
+
+    def _quarantine_absent(self, missing: list[int]) -> None:
+        for gen_id, first in self.group_ranks().items():
+            ranks = range(first, first + self.group_workers[gen_id])
+            absent = [r for r in ranks if r in missing]
+            if absent:
+                self.quarantine.add(gen_id, f"never came to the weight group's rendezvous (ranks {absent})")
 
     def group_ranks(self) -> dict[str, int]:
         """Each member's first rank in the group (rank 0 is this learner)."""

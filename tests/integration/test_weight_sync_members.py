@@ -4,12 +4,14 @@ soon as the new one says it is back, instead of waiting out the deadline."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import threading
 import time
 
+import pytest
 import torch
 
 from flywheel.config import SyncConfig
@@ -100,4 +102,48 @@ def test_a_generator_replaced_between_syncs_gets_a_group_of_its_own() -> None:
         for member in members:
             member.kill()
             member.wait(timeout=10)
+        wb.close()
+
+
+def test_a_generator_that_never_comes_to_the_rendezvous_stops_failing_the_fleets_syncs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A generator that says it joins but whose ranks never reach the group's rendezvous (its sync
+    worker hung, or the learner's store unreachable from its node): the sync it is in fails for
+    every member (a collective needs every rank), and without a time out it was back in the next
+    group at its next SyncJoin, failing every sync of the run. It is left out; the next sync
+    reaches the others (real gloo group, real processes)."""
+    cfg = SyncConfig(announce_port=free_port(), join_port=free_port(), timeout_s=3)
+    ports = (cfg.announce_port, cfg.join_port)
+    wb = WeightBroadcaster(cfg)
+    tensors = {"w": torch.ones(1000), "b": torch.full((10,), 2.0)}
+    member = start_member(ports, "gen0")
+    ghost = SyncLink("127.0.0.1", cfg.announce_port, cfg.join_port, "gen1", 1)
+    stop = threading.Event()
+
+    def ghost_heartbeats() -> None:  # joins at every heartbeat, never comes to a rendezvous
+        while not stop.is_set():
+            ghost.join(0, every_s=0.1)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=ghost_heartbeats, daemon=True)
+    thread.start()
+    try:
+        assert wb.wait_for_members(2, timeout_s=30)
+        with caplog.at_level(logging.WARNING, logger="learner.weight_sync"):
+            first = wb.sync(1, tensors.items())
+        assert first.members == ["gen0", "gen1"] and not first.acked, first
+        assert "generator gen1 never came to the weight group's rendezvous (ranks [2])" in caplog.text
+        assert "gen0 never came" not in caplog.text  # it came: the failure was not its own
+        wait_until(lambda: wb.behind(2) == ["gen0"], 15, "gen0 back in the sync after its failed join, gen1 not")
+        second = wb.sync(2, tensors.items())
+        assert second.members == ["gen0"] and second.acked == ["gen0"] and not second.evicted, second
+        assert "gen1" in wb.members and "gen1" not in wb.live_members()  # still heard, left out
+        assert member.stdout is not None and member.stdout.readline().split() == ["loaded", "2", "1020"]
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        ghost.close()
+        member.kill()
+        member.wait(timeout=10)
         wb.close()

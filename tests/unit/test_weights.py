@@ -11,6 +11,7 @@ import torch
 
 from flywheel.weights import (
     ALIGN,
+    RanksMissing,
     WeightSyncError,
     check_layout,
     host_store,
@@ -130,8 +131,9 @@ def test_a_rank_that_never_comes_is_named_at_the_rendezvous_before_any_group_is_
     the ranks meet on the rendezvous store first, within the timeout, and a missing one is named."""
     store = host_store("127.0.0.1", 30)
     start = time.monotonic()
-    with pytest.raises(WeightSyncError, match="1 of 2 ranks joined the weight group within 1.5s"):
+    with pytest.raises(RanksMissing, match="1 of 2 ranks joined the weight group within 1.5s") as raised:
         join_group("gloo", "127.0.0.1", store.port, 0, 2, 3, timeout_s=1.5, store=store)
+    assert raised.value.missing == [1]
     assert time.monotonic() - start < 10
 
 
