@@ -14,7 +14,6 @@ import json
 import logging
 import time
 from collections import defaultdict, deque
-from pathlib import Path
 
 import numpy as np
 import redis
@@ -25,6 +24,7 @@ from buffer.state import ActiveLease, GeneratorInfo, OpenGroup, RewardWorker, Sa
 from buffer.stats import HubStats, RateMeter, RejectLog, SnapshotExchange, start_metrics_server
 from buffer.turn_write import TurnWrite
 from flywheel.config import FlywheelConfig
+from flywheel.files import write_atomically
 from flywheel.netsec import curve_server, refused_peers
 from flywheel.staleness import GroupState, StalenessPolicy
 from flywheel.store import (
@@ -190,10 +190,7 @@ class Hub:
 
     def write_state_file(self) -> None:
         if self.hcfg.state_file:
-            path = Path(self.hcfg.state_file)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.ports))
-            tmp.replace(path)
+            write_atomically(self.hcfg.state_file, json.dumps(self.ports))
 
     # ------------------------------------------------------------------ main loop
 

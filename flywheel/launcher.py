@@ -45,6 +45,7 @@ from rich.table import Table
 from flywheel import standby
 from flywheel.autoscale import Autoscaler, CommandBackend, ServiceBackend
 from flywheel.config import FlywheelConfig
+from flywheel.files import write_atomically
 from flywheel.hub_client import hub_metrics
 from flywheel.netsec import check_keys, create_keys, redis_password
 from flywheel.procs import Service, ServiceHandle, parse_cpu_list, wait_for_state_file
@@ -129,15 +130,6 @@ def assign_gpus(gpus: list[str], learner_ranks: int, generator_gpus: list[int]) 
         plan[f"generator{i}"] = ",".join(gpus[at : at + n])
         at += n
     return plan
-
-
-def write_private(path: Path, text: str) -> None:
-    """A run file readable by its owner only: the run's Redis URL (``redis.url``) may hold the
-    password, and a run directory is shared as often as not."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)  # (a file already there kept its mode through the open)
 
 
 def set_aside(run_dir: Path) -> Path | None:
@@ -290,9 +282,10 @@ class LocalLaunch:
         pids = {svc.name: getattr(svc, "pid", None) for svc in self.services}
         if self.redis is not None:
             pids["redis"] = self.redis.proc.pid
-        tmp = self.run_dir / f"{SERVICES_FILE}.tmp"
-        write_private(tmp, json.dumps({"pids": pids, "restarts": dict(self.restarts), "redis_url": self.redis_url}))
-        tmp.replace(self.run_dir / SERVICES_FILE)
+        # Private: the run's Redis URL (``redis.url``) may hold the password, and a run directory
+        # is shared as often as not.
+        services = {"pids": pids, "restarts": dict(self.restarts), "redis_url": self.redis_url}
+        write_atomically(self.run_dir / SERVICES_FILE, json.dumps(services), private=True)
 
     @cached_property
     def gpu_plan(self) -> dict[str, str]:
@@ -390,7 +383,7 @@ class LocalLaunch:
         """The recipe as resolved (everything but what the launcher passes as flags)."""
         data = self.cfg.model_dump(mode="json", by_alias=True)
         data["train"]["model"] = model
-        write_private(self.run_dir / "config.yaml", yaml.safe_dump(data, sort_keys=False))
+        write_atomically(self.run_dir / "config.yaml", yaml.safe_dump(data, sort_keys=False), private=True)
 
     def _warm_start(self, model: str) -> str:
         out = self.run_dir / "sft_model"

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from flywheel.files import write_atomically
 
 READY_SUFFIX = ".ready"
 MAX_TAKEOVER_BYTES = 1 << 16
@@ -80,9 +81,7 @@ def clear(standby_file: Path) -> None:
 
 def hand_over(standby_file: Path, takeover: Takeover) -> None:
     """Launcher side: tell the spare who it is now (written whole, then renamed into place)."""
-    tmp = standby_file.with_name(standby_file.name + f".{os.getpid()}.tmp")
-    tmp.write_bytes(takeover.encode())
-    tmp.replace(standby_file)
+    write_atomically(standby_file, takeover.encode())
 
 
 async def wait_for_takeover(standby_file: Path, poll_s: float = 0.1) -> Takeover:

@@ -304,7 +304,7 @@ def _all_joined(store: dist.Store, rank: int, world_size: int, timeout_s: float)
 
     Each rank also leaves its own mark, so that rank 0, when the wait runs out, can name the ranks
     that never came (``RanksMissing``)."""
-    store.set(f"arrived/{rank}", b"1")
+    store.set(f"arrived/{rank}", "1")
     store.add("joined", 1)
     deadline = time.monotonic() + timeout_s
     while (joined := store.add("joined", 0)) < world_size:

@@ -23,7 +23,6 @@ import argparse
 import heapq
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flywheel.files import write_atomically
 from flywheel.wire import Chunk, Lease
 from generators.hub_link import HubLink
 from generators.simulated import POOL, random_pools
@@ -238,9 +238,7 @@ def write_audit(path: str, engines: list[SimEngine], latency_samples: int = 20_0
     rows = [[g, s, lease, e[0], e[1:]] for (g, s, lease), e in (audit or {}).items()]
     lat = np.concatenate([np.asarray(e.link.ack_latency_s) for e in engines]) if engines else np.zeros(0)
     lat = lat[:: max(1, len(lat) // latency_samples)]
-    with open(path + ".tmp", "w") as f:
-        json.dump({"acked": rows, "ack_latency_s": lat.tolist()}, f)
-    os.replace(path + ".tmp", path)
+    write_atomically(path, json.dumps({"acked": rows, "ack_latency_s": lat.tolist()}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,10 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def write_stats() -> None:
         if args.stats_file:
-            stats = fleet_stats(engines)
-            with open(args.stats_file + ".tmp", "w") as f:
-                json.dump(stats, f)
-            os.replace(args.stats_file + ".tmp", args.stats_file)
+            write_atomically(args.stats_file, json.dumps(fleet_stats(engines)))
 
     run_fleet(engines, lambda: int(client.get(key) or 0), args.tick_s, lambda: stop, write_stats)
     drain_until = time.monotonic() + 0.5  # stopped producing: take the acks already on their way

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from flywheel.config import FlywheelConfig
+from flywheel.files import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class Reporter:
             # after a crash) logs on into it rather than opening another under the same name.
             id_file = run_dir / "wandb_run_id"
             run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
-            id_file.write_text(run_id)
+            write_atomically(id_file, run_id)
             self.wandb = wandb.init(
                 project=cfg.wandb.project,
                 name=cfg.run.name,

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from flywheel.config import FlywheelConfig, check_batch_split
+from flywheel.files import write_atomically
 from flywheel.hub_client import Batch, BatchClient, BatchTimeout, ClaimsAhead
 from flywheel.netsec import redis_client
 from flywheel.staleness import StalenessPolicy
@@ -890,7 +891,7 @@ class Trainer:
             self.engine.save_checkpoint(directory, tag=f"v{self.version}", client_state=state, save_latest=False)
             self._agree_max(0)
             if self.rank == 0:
-                write_atomically(Path(directory) / "latest", f"v{self.version}")
+                write_atomically(Path(directory) / "latest", f"v{self.version}", durable=True)
                 prune_checkpoints(Path(directory), self.version, self.cfg.train.keep_checkpoints)
         self.saved_version = self.version
         log.info("checkpoint v%d saved in %s", self.version, directory)
@@ -979,16 +980,6 @@ def _plain_linear_head(model: torch.nn.Module) -> bool:
         return False
     config = getattr(model, "config", None)
     return not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """``text`` in ``path``, whole or not at all (a kill mid-write leaves the old file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def prune_checkpoints(directory: Path, latest: int, keep: int) -> list[int]:

@@ -23,10 +23,10 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from flywheel.config import RewardModelConfig, service_config
+from flywheel.files import write_atomically
 from flywheel.logs import setup_logging
 
 log = logging.getLogger(__name__)
@@ -232,9 +232,7 @@ async def serve(cfg: RewardModelConfig, stop: asyncio.Event, model: RewardModel 
     port = int(runner.addresses[0][1])  # the bound port (rm.port 0 picks a free one)
     log.info("reward model %s on %s, serving http://%s:%d/score", cfg.model, model.device, cfg.host, port)
     if cfg.state_file:
-        tmp = Path(cfg.state_file).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"port": port}))
-        tmp.replace(cfg.state_file)
+        write_atomically(cfg.state_file, json.dumps({"port": port}))
     await stop.wait()
     await runner.cleanup()
 

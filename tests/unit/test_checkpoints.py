@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from learner.trainer import prune_checkpoints, write_atomically
+from flywheel.files import write_atomically
+from learner.trainer import prune_checkpoints
 
 
 def make(directory: Path, *versions: int, critic: bool = True) -> None:
