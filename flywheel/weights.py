@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -247,8 +249,36 @@ def _quietly(release: Callable[[], Any]) -> None:
 
 
 def host_store(host: str, timeout_s: float) -> dist.TCPStore:
-    """Rank 0: start the rendezvous server on a free port (read it back from ``store.port``)."""
-    return dist.TCPStore(host, 0, None, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    """Rank 0: start the rendezvous server on a free port of ``host`` (read it back from
+    ``store.port``).
+
+    torch's TCPStore listens on every interface whatever host it is given; the socket is bound
+    here, on ``host`` only, and handed over (``master_listen_fd``: the store owns and closes it),
+    so that ``sync.host`` 127.0.0.1 keeps the rendezvous off the network as it does the sync's
+    other ports."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(address)
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            None,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def join_group(
@@ -273,7 +303,13 @@ def join_group(
         prefix = dist.PrefixStore(f"flywheel/weights/{epoch}", store)
         _all_joined(prefix, rank, world_size, timeout_s)
         if backend == "gloo":
-            pg: Any = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+            # gloo listens on the address its host name resolves to (a cluster node's network
+            # address) unless told: on the interface that reaches the learner instead, which is
+            # loopback when ``sync.host`` is
+            opts_gloo = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            opts_gloo._timeout = timeout
+            opts_gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address(host, port))]
+            pg: Any = dist.ProcessGroupGloo(prefix, rank, world_size, opts_gloo)
         else:
             opts = dist.ProcessGroupNCCL.Options()
             # NCCL's own watchdog tears the process down at this timeout: past our poll's
@@ -282,7 +318,7 @@ def join_group(
             pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
     except RanksMissing:  # rank 0's: it names the absent ranks, which the learner acts on
         raise
-    except (RuntimeError, dist.DistStoreError) as err:
+    except (RuntimeError, OSError, dist.DistStoreError) as err:
         raise WeightSyncError(
             f"could not join the {transport} weight group at {host}:{port} as rank {rank}/{world_size}: {err}"
         ) from err
@@ -295,6 +331,15 @@ def join_group(
         store if rank == 0 else None,
         op_timeout_s=max(timeout_s, 0.1),
     )
+
+
+def _local_address(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (``host`` itself on the learner): no
+    packet is sent, a UDP socket's connect only picks the route."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.connect(address)
+        return str(probe.getsockname()[0])
 
 
 def _all_joined(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import threading
 import time
+from datetime import timedelta
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
@@ -265,3 +269,36 @@ def test_members_that_joined_behind_the_last_sync_or_need_weights_are_named() ->
         for link in (old, fresh, current):
             link.close()
         wb.close()
+
+
+def test_the_rendezvous_store_listens_on_its_host_only() -> None:
+    """torch's TCPStore listens on every interface whatever host it is given: ``sync.host``
+    127.0.0.1 must keep the rendezvous off the network, as it does the sync's other ports."""
+
+    store = host_store("127.0.0.1", 30)
+    listening = [
+        c.laddr
+        for c in psutil.Process(os.getpid()).net_connections(kind="inet")
+        if c.laddr.port == store.port and c.status == psutil.CONN_LISTEN
+    ]
+    assert [a.ip for a in listening] == ["127.0.0.1"], listening
+    client = torch.distributed.TCPStore("127.0.0.1", store.port, None, is_master=False, timeout=timedelta(seconds=10))
+    client.set("reached", "yes")  # and it serves
+    assert store.get("reached") == b"yes"
+
+    # gloo's own sockets too (they follow the host name's address unless told; on this machine
+    # that address is loopback as well, so only a machine with a networked host name tells)
+    def listening() -> set[tuple[str, int]]:
+        conns = psutil.Process(os.getpid()).net_connections(kind="inet")
+        return {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
+
+    before = listening()
+    peer: list[Any] = []
+    thread = threading.Thread(target=lambda: peer.append(join_group("gloo", "127.0.0.1", store.port, 1, 2, 4, 20)))
+    thread.start()
+    group = join_group("gloo", "127.0.0.1", store.port, 0, 2, 4, 20, store=store)
+    thread.join(timeout=30)
+    opened = listening() - before
+    assert opened and {ip for ip, _ in opened} == {"127.0.0.1"}, opened
+    group.close()
+    peer[0].close()
