@@ -323,7 +323,11 @@ def finished(run_dir: Path, how: dict[str, Any]) -> bool:
 
 
 def versus_sync(run: dict[str, Any], sync: dict[str, Any]) -> None:
-    """The wall-time speedup and the relative final-accuracy gap of ``run`` against ``sync``."""
+    """The wall-time speedup and the relative final-accuracy gap of ``run`` against ``sync``.
+
+    The "reward" gap is taken on the final greedy accuracy: the demo task's reward is 1 for a right
+    answer and 0 otherwise, so accuracy is the reward of the greedy policy, measured on held-out
+    prompts; the batch reward (sampled, on training prompts) is in the rows beside it."""
     run["speedup_vs_sync"] = sync["wall_s"] / run["wall_s"]
     run["reward_gap_vs_sync"] = (sync["accuracy_end"] - run["accuracy_end"]) / sync["accuracy_end"]
 

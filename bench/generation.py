@@ -334,8 +334,14 @@ def run_inflight(work: Path, model_dir: Path, syncs: int) -> dict[str, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small model, few requests, no in-flight phase")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "generation.json"))
+    p.add_argument(
+        "--out", default=None, help="(default bench/results/generation.json; with --quick, generation_quick.json)"
+    )
     args = p.parse_args()
+    # a quick look never overwrites the recorded full run
+    args.out = args.out or str(
+        ROOT / "bench" / "results" / ("generation_quick.json" if args.quick else "generation.json")
+    )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from flywheel.tiny import build_checkpoint
 

@@ -224,7 +224,10 @@ def main() -> int:
                    "dtype": "bf16" if args.gpu else "fp32"},
         "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(0) if args.gpu else None, "cpus": os.cpu_count()},
     }  # fmt: skip
-    out = Path(args.out or ROOT / "bench" / "results" / ("learner_gpu.json" if args.gpu else "learner.json"))
+    name = "learner_gpu" if args.gpu else "learner"
+    out = Path(
+        args.out or ROOT / "bench" / "results" / f"{name}{'_quick' if args.quick else ''}.json"
+    )  # quick: never the record
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(headline))

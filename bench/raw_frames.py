@@ -5,8 +5,12 @@ log-probabilities and versions) go over the same transports with none of the hub
 generator sends prebuilt frames over a ZMQ DEALER; a relay on a ROUTER appends each frame to one
 Redis list as an opaque value (MULTI/EXEC, AOF on, as the hub's write) and acks the frame's
 number; a consumer pops frames. No validation, leases, duplicate checks, sample assembly, reward
-or batch claims: what is left is what ZMQ and Redis cost on this machine. The gap between it and
-the hub is the hub's own work; a target this ceiling misses too is one no hub can meet here.
+or batch claims: what is left is what ZMQ and Redis cost on this machine. Each generator may
+have as many chunks unacknowledged as the hub link allows (its flow-control window), so the
+saturated latencies queue alike. The gap between it and the hub is the work the hub's contract
+asks for: the hub's own, and also the generators' per-chunk encoding, the reward service and the
+consumer's decoding, which the prebuilt opaque frames skip; a target this ceiling misses too is
+one no hub can meet here.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ import numpy as np
 import zmq
 
 from flywheel.redis_server import RedisServer
+from generators.hub_link import MAX_UNACKED_CHUNKS
 
 BYTES_PER_TOKEN = 12  # int32 id, float32 log-probability, int32 version, as a Chunk carries
-WINDOW_FRAMES = 8  # frames a generator may have unacknowledged: flow control, as the hub link's
 LIST = "raw-frames"
 
 
@@ -38,16 +42,17 @@ def _generator(port: int, index: int, tokens_per_s: float | None, seconds: float
     body = sizes.tobytes() + rng.bytes(frame_tokens * BYTES_PER_TOKEN)
     sent_at: dict[int, float] = {}
     latency: list[float] = []
+    window = max(1, MAX_UNACKED_CHUNKS // chunks)  # frames unacknowledged at most: the hub link's window
     seq = tokens = 0
     start = time.monotonic()
     while (now := time.monotonic()) - start < warmup + seconds:
         due = tokens_per_s is None or tokens / tokens_per_s <= now - start
-        if due and len(sent_at) < WINDOW_FRAMES:
+        if due and len(sent_at) < window:
             sock.send(struct.pack("<q", seq) + body)
             sent_at[seq] = time.monotonic()
             seq, tokens = seq + 1, tokens + frame_tokens
             wait_ms = 0
-        elif tokens_per_s is None or len(sent_at) >= WINDOW_FRAMES:
+        elif tokens_per_s is None or len(sent_at) >= window:
             wait_ms = 5
         else:
             wait_ms = max(0, min(5, int(1000 * (tokens / tokens_per_s - (now - start)))))

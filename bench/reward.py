@@ -179,8 +179,10 @@ def headline(result: dict[str, Any]) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "reward.json"))
+    p.add_argument("--out", default=None, help="(default bench/results/reward.json; with --quick, reward_quick.json)")
     args = p.parse_args()
+    # a quick look never overwrites the recorded full run
+    args.out = args.out or str(ROOT / "bench" / "results" / ("reward_quick.json" if args.quick else "reward.json"))
     n_rule, n_rm = (400, 200) if args.quick else (4000, 1500)
     worker_counts = [1, 2, 4] + ([8] if (os.cpu_count() or 1) >= 16 else [])
 

@@ -236,7 +236,7 @@ def write_audit(path: str, engines: list[SimEngine], latency_samples: int = 20_0
     strided sample of the engines' ack latencies (send -> ack, seconds)."""
     audit = engines[0].audit if engines else None
     rows = [[g, s, lease, e[0], e[1:]] for (g, s, lease), e in (audit or {}).items()]
-    lat = np.concatenate([np.asarray(e.link.ack_latency_s) for e in engines]) if engines else np.zeros(0)
+    lat = np.concatenate([np.asarray(e.link.ack_latency.values) for e in engines]) if engines else np.zeros(0)
     lat = lat[:: max(1, len(lat) // latency_samples)]
     write_atomically(path, json.dumps({"acked": rows, "ack_latency_s": lat.tolist()}))
 

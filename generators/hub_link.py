@@ -54,6 +54,37 @@ class Inbox:
     rejected: int = 0
 
 
+MAX_UNACKED_CHUNKS = 8192
+"""The default flow-control window: chunks a generator may have sent and not had acknowledged."""
+
+
+class LatencySample:
+    """Send -> ack latencies in bounded memory, sampled alike over the whole run: past ``cap``
+    values every other one is dropped, and from then on one in 2 (4, 8, ...) is kept. (A plain
+    cap kept the first million only: a benchmark's percentiles missed the end of its window.)"""
+
+    def __init__(self, cap: int = 1 << 20) -> None:
+        self.cap = cap
+        self.values: list[float] = []  # of the chunks whose ack index is a multiple of ``every``
+        self.every = 1
+        self.count = 0  # every ack seen, sampled or not
+
+    def add(self, latencies: list[float]) -> None:
+        if self.every == 1:
+            self.values += latencies
+        else:
+            self.values += latencies[(-self.count) % self.every :: self.every]
+        self.count += len(latencies)
+        if len(self.values) >= self.cap:
+            del self.values[1::2]
+            self.every *= 2
+
+    def reset(self) -> None:
+        """Forget what was seen (a benchmark's warm-up)."""
+        self.values.clear()
+        self.every, self.count = 1, 0
+
+
 class HubLink:
     def __init__(
         self,
@@ -64,7 +95,7 @@ class HubLink:
         resend_after_s: float = 2.0,
         heartbeat_s: float = 0.5,
         hwm: int = 10000,
-        max_unacked: int = 8192,
+        max_unacked: int = MAX_UNACKED_CHUNKS,
         ack_log: str | None = None,
         security: SecurityConfig | None = None,
         max_message_bytes: int = 64 << 20,
@@ -109,7 +140,7 @@ class HubLink:
         self.draining = False
         self._registered_at = 0.0
         self.registrations = 0  # Registers sent: heartbeats carry it, a RegisterAgain echoes it
-        self.ack_latency_s: list[float] = []  # send -> ack of each chunk: its chunk-to-durable time
+        self.ack_latency = LatencySample()  # send -> ack of the chunks: their chunk-to-durable times
         self.resent = 0
 
     def register(self, weight_version: int) -> None:
@@ -208,8 +239,7 @@ class HubLink:
         latencies = [now - sent for _, sent, _ in entries]
         inbox.acked += len(entries)
         inbox.acked_chunks += [c for c, _, _ in entries]
-        if len(self.ack_latency_s) < 1_000_000:
-            self.ack_latency_s += latencies
+        self.ack_latency.add(latencies)
         fresh = [lat for lat, (_, _, resent) in zip(latencies, entries, strict=True) if not resent]
         if fresh:
             self._note_round_trip(max(fresh))

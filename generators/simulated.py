@@ -71,7 +71,6 @@ class SimulatedGenerator:
             self._redis = redis.Redis.from_url(version_key[0], socket_timeout=5.0)
             self._version_key = version_key[1]
         self._last_version_check = 0.0
-        self._warm_acks = 0  # latencies recorded before this index are warm-up
         self.stats_after_s = 0.0
 
     def stop(self) -> None:
@@ -83,7 +82,8 @@ class SimulatedGenerator:
         warm = False
         while not self._stop and (max_seconds is None or time.monotonic() - start < max_seconds):
             if not warm and time.monotonic() - start >= self.stats_after_s:
-                warm, self._warm_acks = True, len(self.link.ack_latency_s)
+                warm = True
+                self.link.ack_latency.reset()  # what the warm-up saw is not measured
             # Wait on the socket, never in a sleep: acks and leases are read the moment they land.
             wait_s = self._pace_delay(start) if self.active and not self.link.window_full() else 0.005
             inbox = self.link.poll(int(wait_s * 1000))
@@ -119,14 +119,14 @@ class SimulatedGenerator:
     def write_stats(self, path: str) -> None:
         import json
 
-        lat = np.asarray(self.link.ack_latency_s[self._warm_acks :]) * 1000
+        lat = np.asarray(self.link.ack_latency.values) * 1000
 
         def pct(q: float) -> float | None:
             return float(np.percentile(lat, q)) if len(lat) else None
 
         stats = {
             "tokens_sent": self.tokens_sent,
-            "chunks_acked": len(lat),
+            "chunks_acked": self.link.ack_latency.count,
             "resent": self.link.resent,
             "ack_ms_p50": pct(50),
             "ack_ms_p99": pct(99),
