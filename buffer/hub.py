@@ -70,6 +70,7 @@ from flywheel.wire import (
 log = logging.getLogger(__name__)
 
 TICK_S = 0.005  # housekeeping period: expiry, dispatch
+ALL_FAILED_GROUPS = 8  # groups dropped for failed rewards, none ever ready: the reward configuration is wrong
 SKIPS_PER_ISSUE = 64  # over-long prompts skipped in one try to issue a group (the next turn goes on)
 REFRESH_S = 0.05  # at most this long between reads of the learner's version / drops
 # Between scans for lapsed leases, silent generators and unanswered scores: each scan walks all
@@ -550,6 +551,16 @@ class Hub:
         self.stats.groups_dropped_reward += 1
         del self.groups[gid]
         log.warning("group %d dropped: %d failed scores (first: %s)", gid, len(failed), failed[0])
+        if self.stats.groups_ready == 0 and self.stats.groups_dropped_reward == ALL_FAILED_GROUPS:
+            # Said once, loudly: a run whose rewards cannot score its data otherwise spends every
+            # prompt and ends having trained nothing, with warnings only.
+            log.error(
+                "every group scored so far (%d) failed its rewards, first error: %s. The reward functions cannot "
+                "score this data: check reward.functions (and their kwargs) against data.metadata_keys and the "
+                "dataset's fields",
+                ALL_FAILED_GROUPS,
+                failed[0],
+            )
 
     def _mark_ready(self, group: OpenGroup) -> None:
         gid = group.meta.group_id

@@ -42,9 +42,10 @@ class RunConfig(_Section):
     @field_validator("name")
     @classmethod
     def _name_is_key_safe(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", v):
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}", v):
             raise ValueError(
-                "run.name must be 1-64 characters of letters, digits, '_', '-', '.' (it becomes a Redis key prefix)"
+                "run.name must be 1-64 characters of letters, digits, '_', '-', '.', starting with a letter or "
+                "digit (it becomes a Redis key prefix and the run's directory name)"
             )
         return v
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import psutil
 import yaml
 from rich.console import Console
 from rich.live import Live
@@ -132,12 +133,55 @@ def assign_gpus(gpus: list[str], learner_ranks: int, generator_gpus: list[int]) 
     return plan
 
 
+def live_run_pids(run_dir: Path) -> list[int]:
+    """The processes of a ``flywheel run`` still going in ``run_dir`` (its launcher and services,
+    as its ``services.json`` names them; a pid reused since by a younger process does not count)."""
+    path = run_dir / SERVICES_FILE
+    try:
+        data = json.loads(path.read_text())
+        written = path.stat().st_mtime
+    except (OSError, ValueError):
+        return []
+    named = [data.get("launcher_pid"), *dict(data.get("pids") or {}).values()]
+    live = []
+    for pid in named:
+        if not isinstance(pid, int) or pid == os.getpid():
+            continue
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= written + 1:
+                live.append(pid)
+        except psutil.Error:
+            continue
+    return live
+
+
+def refuse_live_run(run_dir: Path) -> None:
+    """A second ``flywheel run`` in the directory of one still going would move it away under it
+    (or, resuming, run beside it on its Redis): refused (ValueError, exit 2)."""
+    live = live_run_pids(run_dir)
+    if live:
+        raise ValueError(
+            f"a run is still going in {run_dir} (pids {live}): stop it (Ctrl-C, or kill the launcher) or pick "
+            "another --run.name / --launch.run_dir"
+        )
+
+
 def set_aside(run_dir: Path) -> Path | None:
     """Move a previous run out of ``run_dir`` (to ``run_dir.1``, ``.2``, ...) so a new run starts
     clean: its Redis would otherwise reload the old run's AOF (versions, queues, leases) and the
-    learner would start behind the hub. Returns where it went; None when there was nothing."""
+    learner would start behind the hub. Returns where it went; None when there was nothing.
+
+    Only a run's directory is moved: a directory of other files (``launch.run_dir`` pointed at a
+    project, or ``.``) is refused, as is one whose run is still going."""
     if not run_dir.is_dir() or not any(run_dir.iterdir()):
         return None
+    if not any((run_dir / name).exists() for name in (SERVICES_FILE, "config.yaml", "logs", "redis")):
+        raise ValueError(
+            f"{run_dir} holds files that are not a Flywheel run, and a new run would move it aside: pick another "
+            "--run.name / --launch.run_dir, or an empty directory"
+        )
+    refuse_live_run(run_dir)
     n = 1
     while run_dir.with_name(f"{run_dir.name}.{n}").exists():
         n += 1
@@ -149,6 +193,8 @@ class LocalLaunch:
         self.cfg = cfg
         self.console = console or Console()
         self.run_dir = Path(cfg.launch.run_dir or Path("runs") / cfg.run.name).resolve()
+        if cfg.train.resume:
+            refuse_live_run(self.run_dir)
         moved = set_aside(self.run_dir) if not cfg.train.resume else None
         if moved is not None:
             self.console.print(f"the previous run in {self.run_dir} was moved to {moved}")
@@ -196,10 +242,17 @@ class LocalLaunch:
             self._start_services()
             self._watch()
             self._final_eval()
+            trained = self._read_last(self.run_dir / "learner_metrics.jsonl") or {}
+            if "learner" in self.cfg.launch.services and not trained.get("step"):
+                self.console.print(
+                    "[bold red]flywheel run: the learner ended without training a step: see the hub's and the "
+                    f"learner's logs in {self.logs} (failed rewards, spent prompts)"
+                )
+                return 1
             return 0
         except ServiceFailed as err:
             self.console.print(f"[bold red]flywheel run: {err}")
-            return 1
+            return 2 if err.service.returncode == 2 else 1  # 2: a service refused the configuration
         except KeyboardInterrupt:
             self.console.print("[yellow]interrupted: shutting everything down")
             return 130
@@ -284,7 +337,12 @@ class LocalLaunch:
             pids["redis"] = self.redis.proc.pid
         # Private: the run's Redis URL (``redis.url``) may hold the password, and a run directory
         # is shared as often as not.
-        services = {"pids": pids, "restarts": dict(self.restarts), "redis_url": self.redis_url}
+        services = {
+            "launcher_pid": os.getpid(),
+            "pids": pids,
+            "restarts": dict(self.restarts),
+            "redis_url": self.redis_url,
+        }
         write_atomically(self.run_dir / SERVICES_FILE, json.dumps(services), private=True)
 
     @cached_property

@@ -339,12 +339,20 @@ class Trainer:
         if batch is not None:  # another rank found none: this share is not trained on
             self.client.note_finished(len(batch.groups), trained=False)
         if self.rank == 0:
+            counters = self.client.counters()
+            lost = {
+                "failed rewards": counters.get("groups_dropped_reward", 0),
+                "too stale": counters.get("groups_dropped", 0) - counters.get("groups_dropped_reward", 0),
+                "prompts abandoned": counters.get("prompts_abandoned", 0),
+            }
+            why = ", ".join(f"{n} {what}" for what, n in lost.items() if n > 0)
             log.warning(
                 "the prompts are spent (data.epochs %d) before train.total_steps %d: training ends at v%d "
-                "(raise data.epochs to train longer)",
+                "(raise data.epochs to train longer)%s",
                 self.cfg.data.epochs,
                 self.cfg.train.total_steps,
                 self.version,
+                f"; groups dropped on the way: {why} (the hub's log says why)" if why else "",
             )
 
     def _note_batch_without_signal(self, batch: Batch) -> None:

@@ -285,3 +285,22 @@ def test_the_service_never_blocks_on_a_hub_that_is_away() -> None:
         assert time.monotonic() - started < 10 and service.unsent >= 1000
     finally:
         service.close()
+
+
+def test_rewards_that_fail_on_every_group_are_said_loudly(cluster: Cluster) -> None:
+    """A reward configuration that cannot score the data (here: `arithmetic` with the answers left
+    out of data.metadata_keys) dropped every group with a warning each: the run spent its prompts
+    and ended having trained nothing. The hub now says, once and as an error, that no group has
+    survived its rewards, with the first error and what to check."""
+    start_hub_and_generator(cluster, "--async.max_staleness", "16", "--data.metadata_keys", "[]")
+    cluster.start_reward("--reward.functions", "arithmetic")
+    wait_until(
+        lambda: cluster.metrics()["flywheel_hub_groups_dropped_reward_total"] >= 9,
+        120,
+        "groups dropped for failed rewards",
+        poll_s=0.3,
+    )
+    log = cluster.hub.log_path.read_text()
+    assert "every group scored so far (8) failed its rewards, first error: exception: arithmetic: ValueError" in log
+    assert "metadata has no 'answer'" in log and "check reward.functions" in log
+    assert log.count("every group scored so far") == 1  # said once

@@ -5,6 +5,8 @@ from the training window alone."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import Any
 import pytest
 
 from flywheel import launcher
-from flywheel.config import load_config
+from flywheel.config import ConfigError, load_config
 from flywheel.launcher import LocalLaunch, Timeline, assign_gpus, set_aside, visible_gpus
 from flywheel.report import loop_figures
 from tests.conftest import ROOT, wait_until
@@ -35,6 +37,36 @@ def test_a_new_run_sets_the_previous_one_aside(tmp_path: Path) -> None:
     assert (run_dir / "logs").is_dir() and not (tmp_path / "run.3").exists()
     LocalLaunch(load_config(["--launch.run_dir", str(run_dir)]))
     assert (tmp_path / "run.3" / "logs").is_dir() and not any((run_dir / "logs").iterdir())
+
+
+def test_only_a_finished_run_is_set_aside(tmp_path: Path) -> None:
+    """`--run.name ..` (or `--launch.run_dir .`) moved the directory the user ran from; a second
+    `flywheel run` under a running one's name moved the live run away under it (its restarted
+    learner then found no recipe)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("mine")
+    with pytest.raises(ValueError, match="not a Flywheel run"):
+        set_aside(project)
+    assert (project / "train.py").read_text() == "mine"
+    for name in (".", "..", ".hidden"):
+        with pytest.raises(ConfigError, match="run.name must be"):
+            load_config(["--run.name", name])
+
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    launcher_process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        services = {"launcher_pid": launcher_process.pid, "pids": {"hub": None}, "redis_url": None}
+        (run_dir / "services.json").write_text(json.dumps(services))
+        with pytest.raises(ValueError, match=f"a run is still going in .* \\(pids \\[{launcher_process.pid}\\]\\)"):
+            set_aside(run_dir)
+        with pytest.raises(ValueError, match="a run is still going"):  # nor run beside it on its Redis
+            LocalLaunch(load_config(["--launch.run_dir", str(run_dir), "--train.resume", "true"]))
+    finally:
+        launcher_process.kill()
+        launcher_process.wait(timeout=10)
+    assert set_aside(run_dir) == tmp_path / "run.1"  # the run is over: it moves
 
 
 def test_learner_first_then_each_generator_its_tensor_parallel_share() -> None:
@@ -449,3 +481,29 @@ def test_the_run_files_that_hold_the_redis_url_are_private(tmp_path: Path, monke
     for name in ("config.yaml", "services.json"):
         path = tmp_path / name
         assert "s3cret" in path.read_text() and path.stat().st_mode & 0o777 == 0o600, name
+
+
+def test_a_run_that_trained_nothing_or_was_refused_its_configuration_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every reward failing (or every prompt dropped) ended `flywheel run` with exit code 0 and
+    0 steps; a service refusing the configuration (its exit code 2) ended it with 1, where the
+    README says 2."""
+    launch = _launch(tmp_path, monkeypatch, [])
+    for stage in ("_prepare", "_start_services", "_watch", "_final_eval", "_shutdown"):
+        monkeypatch.setattr(launch, stage, lambda: None)
+    assert launch.run() == 1  # the learner ended, no step in its metrics
+    (tmp_path / "learner_metrics.jsonl").write_text(json.dumps({"step": 3}) + "\n")
+    assert launch.run() == 0
+
+    class Refused:
+        name, returncode, log_path = "learner", 2, tmp_path / "learner.log"
+
+        def tail(self, n: int = 25) -> str:
+            return "set --data.n_samples_per_prompt >= 2"
+
+    def refuse() -> None:
+        raise launcher.ServiceFailed(Refused(), "exited with code 2")  # type: ignore[arg-type]
+
+    monkeypatch.setattr(launch, "_watch", refuse)
+    assert launch.run() == 2
