@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -297,12 +298,27 @@ class HubConfig(_Section):
     )
 
 
+BUILTIN_REWARDS = (
+    "arithmetic",
+    "math",
+    "exact_match",
+    "regex_match",
+    "format",
+    "length_penalty",
+    "length",
+    "remote",
+    "reward_model",
+)
+"""The reward service's built-in functions (``reward_service/builtins.py``; a test keeps the two alike):
+named here so that a config naming another is refused at once, not by the reward service a minute
+into the run."""
+
+
 class RewardFunctionSpec(_Section):
     """One reward function of the weighted sum the reward service computes."""
 
     name: str = Field(
-        description="A built-in (arithmetic, math, exact_match, regex_match, format, length_penalty, length, remote, "
-        "reward_model) or a user function by import path 'pkg.module:fn'."
+        description=f"A built-in ({', '.join(BUILTIN_REWARDS)}) or a user function by import path 'pkg.module:fn'."
     )
     weight: float = Field(1.0, allow_inf_nan=False, description="Weight of this function in the total reward.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed on every call.")
@@ -312,6 +328,13 @@ class RewardFunctionSpec(_Section):
     def _name_is_builtin_or_path(cls, v: str) -> str:
         if not re.fullmatch(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?", v):
             raise ValueError(f"reward function {v!r} is neither a built-in name nor an import path 'pkg.module:fn'")
+        if ":" not in v and v not in BUILTIN_REWARDS:
+            close = difflib.get_close_matches(v, BUILTIN_REWARDS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(
+                f"unknown built-in reward function {v!r}: {hint}choose one of {list(BUILTIN_REWARDS)}, or give a "
+                "user function as 'pkg.module:fn'"
+            )
         return v
 
 
@@ -843,6 +866,11 @@ class FlywheelConfig(_Section):
                 "algo.advantage.estimator gae needs a critic: add --algo.critic.enabled true "
                 "(or use a critic-free estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline)"
             )
+        if est in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline") and self.data.n_samples_per_prompt < 2:
+            raise ValueError(
+                f"algo.advantage.estimator {est} compares the samples of a prompt: set --data.n_samples_per_prompt "
+                ">= 2 (or use reinforce_pp, whose baseline is the batch's)"
+            )
         if self.algo.critic.enabled and est != "gae":
             raise ValueError(f"algo.critic.enabled trains a value model only gae uses, not {est}: drop it or use gae")
         if self.algo.loss.clip_high < self.algo.loss.clip_low:
@@ -964,11 +992,36 @@ def _known_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
     for name, field in model.model_fields.items():
         key = field.alias or name
         ann = field.annotation
+        item = typing.get_args(ann)[0] if typing.get_origin(ann) is list and typing.get_args(ann) else None
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             paths.extend(_known_paths(ann, f"{prefix}{key}."))
+        elif isinstance(item, type) and issubclass(item, BaseModel):  # a list of sections: `*` for the index
+            paths.append(f"{prefix}{key}")
+            paths.extend(_known_paths(item, f"{prefix}{key}.*."))
         else:
             paths.append(f"{prefix}{key}")
     return paths
+
+
+def _nearest_key(path: str, known: list[str]) -> str | None:
+    """The known key a misspelled one most likely meant: a misspelled section (``asynch``) is
+    matched against the sections first, a key against its own section's keys first."""
+    index = re.search(r"\.(\d+)(?=\.|$)", path)
+    if index:  # an entry of a list of sections (reward.functions.0.wieght): matched as `*`, said as given
+        nearest = _nearest_key(path[: index.start()] + ".*" + path[index.end() :], known)
+        return nearest.replace("*", index.group(1), 1) if nearest else None
+    sections = sorted({k.split(".", 1)[0] for k in known})
+    head, _, rest = path.partition(".")
+    if head not in sections:
+        near = difflib.get_close_matches(head, sections, n=1, cutoff=0.6)
+        if near:
+            return f"{near[0]}.{rest}" if rest else near[0]
+    else:
+        near = difflib.get_close_matches(path, [k for k in known if k.startswith(head + ".")], n=1)
+        if near:
+            return near[0]
+    near = difflib.get_close_matches(path, known, n=1)
+    return near[0] if near else None
 
 
 def _explain(err: ValidationError) -> str:
@@ -977,12 +1030,13 @@ def _explain(err: ValidationError) -> str:
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            near = difflib.get_close_matches(path, known, n=1)
-            hint = f"; did you mean `{near[0]}`?" if near else "; see `flywheel config` for every key"
+            near = _nearest_key(path, known)
+            hint = f"; did you mean `{near}`?" if near else "; see `flywheel config` for every key"
             lines.append(f"unknown key `{path}`{hint}")
+        elif not path:  # a check across fields: its message names them, and the input is the whole config
+            lines.append(str(e["msg"]).removeprefix("Value error, "))
         else:
-            where = f"`{path}`: " if path else ""
-            lines.append(f"{where}{e['msg']} (got {mask_credentials(repr(e.get('input')))})")
+            lines.append(f"`{path}`: {e['msg']} (got {mask_credentials(repr(e.get('input')))})")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

@@ -151,7 +151,16 @@ def test_a_generator_back_under_its_id_takes_over_a_connection_still_open(cluste
     """A generator restarted (or a spare taking its place) while the hub still holds the old
     connection under the same id (a frozen process, a half-open TCP connection): the new one
     gets through at once and its registration re-issues the old leases."""
-    cluster.start_hub("--data.n_samples_per_prompt", "1", "--async.groups_per_step", "1", "--async.max_staleness", "0")
+    cluster.start_hub(
+        "--data.n_samples_per_prompt",
+        "1",
+        "--algo.advantage.estimator",
+        "reinforce_pp",
+        "--async.groups_per_step",
+        "1",
+        "--async.max_staleness",
+        "0",
+    )
     old = HandGenerator(cluster.gen_address, "gen-x")
     old.register()
     lease = old.wait_lease()

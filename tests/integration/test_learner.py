@@ -241,7 +241,7 @@ def test_bad_learner_flags_name_the_flag(tmp_path: Path) -> None:
     out = run("--async.partial_rollout", "sometimes")
     assert out.returncode == 2 and "async.partial_rollout" in out.stderr
     out = run("--train.model", "m", "--redis.url", "redis://x", "--data.n_samples_per_prompt", "1")
-    assert out.returncode == 2 and "--data.n_samples_per_prompt" in out.stderr
+    assert out.returncode == 2 and "--data.n_samples_per_prompt >= 2" in out.stderr
     out = run("--train.micro_batch_tokens", "-3")
     assert out.returncode == 2 and "train.micro_batch_tokens" in out.stderr
     out = run("--algo.advantage.estimator", "gae")

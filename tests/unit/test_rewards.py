@@ -331,3 +331,11 @@ def test_docstring_examples_run() -> None:
     for module in (registry, b):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+def test_the_config_knows_every_built_in_reward() -> None:
+    """The config refuses an unknown built-in at once by its own list: it must be the registry's."""
+    from flywheel.config import BUILTIN_REWARDS
+    from reward_service.registry import builtin_names
+
+    assert sorted(BUILTIN_REWARDS) == builtin_names()
