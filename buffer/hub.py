@@ -699,7 +699,8 @@ class Hub:
             if raw is not None:
                 self._requeue(unpack(GroupMeta, raw))
             self._pipe.unlink(self.keys.group(int(gid)))
-        log.info("%d groups dropped as too stale (requeue=%s)", len(gids), self.cfg.async_.requeue_stale)
+        # (debug: it can come 20 times a second for days; the stats line counts the drops)
+        log.debug("%d groups dropped as too stale (requeue=%s)", len(gids), self.cfg.async_.requeue_stale)
 
     def _drop_doomed(self) -> None:
         """Drop every group still generating that already holds a token older than any claim
@@ -723,7 +724,7 @@ class Hub:
         for group in doomed:
             self._drop_generating_group(group)
         if doomed:
-            log.info("%d groups dropped while generating: older than v%d - η (leases revoked)", len(doomed), floor)
+            log.debug("%d groups dropped while generating: older than v%d - η (leases revoked)", len(doomed), floor)
 
     def _drop_generating_group(self, group: OpenGroup) -> None:
         gid = group.meta.group_id

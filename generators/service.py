@@ -103,7 +103,7 @@ class GeneratorService:
         # loaded the base model only for its shape (generator.await_weights): no leases meanwhile
         self.weights_valid = not self.gcfg.await_weights
         self.samples: dict[int, dict[int, SampleRun]] = {}  # lease id -> sample index -> run
-        self.updates: list[UpdateResult] = []
+        self.updates: deque[UpdateResult] = deque(maxlen=1000)  # the latest weight updates (a benchmark reads them)
         self.tokens_generated = 0
         self.refused = Rejections(log)  # requests vLLM refused for their input, by reason
         self._resumed = asyncio.Event()

@@ -200,6 +200,7 @@ class WeightBroadcaster:
         for gen_id in [g for g, m in self.members.items() if now - m.last_seen > self.cfg.member_timeout_s]:
             log.warning("generator %s silent for %.0fs: leaves the weight sync", gen_id, self.cfg.member_timeout_s)
             del self.members[gen_id]
+            self.quarantine.clear(gen_id)  # (a generator gone for good leaves no record behind)
         return {
             g: m
             for g, m in self.members.items()

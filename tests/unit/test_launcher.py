@@ -507,3 +507,14 @@ def test_a_run_that_trained_nothing_or_was_refused_its_configuration_fails(
 
     monkeypatch.setattr(launch, "_watch", refuse)
     assert launch.run() == 2
+
+
+def test_the_timeline_of_a_long_run_stays_bounded_and_whole() -> None:
+    """Seven series grew by a point each half second for the launcher's life (37 MiB a day)."""
+    tl = Timeline(start_wall=1000.0, max_points=8)
+    for i in range(100):
+        tl.add(t=float(i), gen_tokens_per_s=5.0, ready_groups=1.0, learner_version=float(i), tokens_in=10.0 * i,
+               active_leases=4.0, admission_blocked_s=0.0)  # fmt: skip
+    assert len(tl.t) < 8 and len(tl.t) == len(tl.tokens_in) == len(tl.learner_version)
+    assert tl.t == [float(i) for i in range(0, 100, tl.every)]  # alike over the whole run, start to end
+    assert tl.t[-1] > 100 - 1 - tl.every and tl.tokens_in == [10.0 * t for t in tl.t]
