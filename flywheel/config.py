@@ -8,8 +8,10 @@ the shared ones (``run``, ``redis``, ``async``). Importing this module never imp
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -859,6 +861,27 @@ class FlywheelConfig(_Section):
     security: SecurityConfig = Field(default_factory=SecurityConfig, description="Link authentication.")
 
     @model_validator(mode="after")
+    def _ports_are_distinct(self) -> FlywheelConfig:
+        """Two sockets on one port of one host: the second service died with "Address already in
+        use" (a traceback, then restarts). Checked per host as configured (0 picks a free port)."""
+        ports = [
+            (self.hub.host, "hub.generator_port", self.hub.generator_port),
+            (self.hub.host, "hub.reward_port", self.hub.reward_port),
+            (self.hub.host, "hub.metrics_port", self.hub.metrics_port or 0),
+            (self.sync.host, "sync.announce_port", self.sync.announce_port),
+            (self.sync.host, "sync.join_port", self.sync.join_port),
+            (self.rm.host, "rm.port", self.rm.port),
+        ]
+        seen: dict[tuple[str, int], str] = {}
+        for host, key, port in ports:
+            if not port:
+                continue
+            other = seen.setdefault((host, port), key)
+            if other != key:
+                raise ValueError(f"{key} and {other} are both {port} on {host}: give each its own port")
+        return self
+
+    @model_validator(mode="after")
     def _algorithm_is_consistent(self) -> FlywheelConfig:
         est = self.algo.advantage.estimator
         if est == "gae" and not self.algo.critic.enabled:
@@ -976,8 +999,44 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--{key} conflicts with an earlier flag that set {part!r} to a value")
-        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+        node[parts[-1]] = _flag_value(key, value)
     return recipe, overrides
+
+
+def _flag_value(key: str, value: str) -> Any:
+    """A flag's value as YAML reads it (numbers, booleans, lists), except where the field is a
+    string: ``--run.name on`` is the name "on", not True, and ``--generator.id 007`` is "007"."""
+    if value == "":
+        return ""
+    string, optional = _string_fields().get(key, (False, False))
+    if string and not (optional and value in ("null", "~", "None")):
+        return value
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--{key} {value!r} is not a value YAML can read: {str(err).splitlines()[0]}") from None
+
+
+@functools.cache
+def _string_fields() -> dict[str, tuple[bool, bool]]:
+    """Every key whose field is a string: (True, whether it may be null)."""
+    out: dict[str, tuple[bool, bool]] = {}
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            key, ann = f"{prefix}{field.alias or name}", field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, key + ".")
+            elif ann is str:
+                out[key] = (True, False)
+            elif typing.get_origin(ann) in (typing.Union, types.UnionType) and set(typing.get_args(ann)) == {
+                str,
+                type(None),
+            }:
+                out[key] = (True, True)
+
+    walk(FlywheelConfig, "")
+    return out
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -1057,7 +1116,13 @@ def load_config(argv: list[str] | None = None, recipe: str | Path | None = None)
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"recipe {str(p)!r} not found: pass --config PATH to a YAML file (see configs/)")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:  # (its message names "<unicode string>": the file is named here)
+            where = getattr(err, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"recipe {str(p)!r} is not valid YAML{at}: {problem}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"recipe {str(p)!r} must be a YAML mapping of sections")
         data = loaded

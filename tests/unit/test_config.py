@@ -227,3 +227,25 @@ def test_a_misspelled_section_or_list_entry_key_gets_the_right_hint(tmp_path: Pa
         load_config(["--config", str(recipe)])
     assert "unknown key `asynch`; did you mean `async`?" in str(refused.value)  # (was: `sync.host`)
     assert "unknown key `reward.functions.0.wieght`; did you mean `reward.functions.0.weight`?" in str(refused.value)
+
+
+def test_two_sockets_on_one_port_are_refused() -> None:
+    with pytest.raises(ConfigError, match="hub.reward_port and hub.generator_port are both 5571 on 127.0.0.1"):
+        load_config(["--hub.generator_port", "5571", "--hub.reward_port", "5571"])
+    with pytest.raises(ConfigError, match="sync.join_port and sync.announce_port are both 6000"):
+        load_config(["--sync.announce_port", "6000", "--sync.join_port", "6000"])
+    load_config(["--hub.generator_port", "0", "--hub.reward_port", "0"])  # free ports, each its own
+    load_config(["--hub.reward_port", "5557", "--hub.host", "10.0.0.2"])  # another host than the learner's
+
+
+def test_string_flags_stay_strings_and_bad_yaml_names_where(tmp_path: Path) -> None:
+    """`--run.name on` was the bool True, `--generator.id 007` the int 7; a recipe with a tab, or a
+    flag with an open bracket, ended in a ScannerError traceback naming "<unicode string>"."""
+    cfg = load_config(["--run.name", "on", "--generator.id", "007", "--redis.url", "null"])
+    assert (cfg.run.name, cfg.generator.id, cfg.redis.url) == ("on", "007", None)
+    with pytest.raises(ConfigError, match=r"--reward.functions '\[math' is not a value YAML can read"):
+        load_config(["--reward.functions", "[math"])
+    recipe = tmp_path / "tabs.yaml"
+    recipe.write_text("async:\n\tmax_staleness: 4\n")
+    with pytest.raises(ConfigError, match=f"recipe '{recipe}' is not valid YAML at line 2, column 1"):
+        load_config(["--config", str(recipe)])
