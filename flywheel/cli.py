@@ -26,13 +26,20 @@ commands:
 """
 
 
-def _pop_int(argv: list[str], flag: str, default: int) -> int:
-    if flag in argv:
-        i = argv.index(flag)
-        value = int(argv[i + 1])
-        del argv[i : i + 2]
-        return value
-    return default
+def _pop_int(argv: list[str], flag: str, default: int, minimum: int = 0) -> int:
+    """``flag N`` taken out of ``argv``; a ConfigError naming the flag when N is missing or wrong."""
+    if flag not in argv:
+        return default
+    i = argv.index(flag)
+    text = argv[i + 1] if i + 1 < len(argv) else ""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"{flag} needs a whole number, got {text!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{flag} must be at least {minimum}, got {value}")
+    del argv[i : i + 2]
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"flywheel run: {err}", file=sys.stderr)
             return 2
     if command == "keys":
+        if rest in (["-h"], ["--help"]):
+            print(USAGE)
+            return 0
         if len(rest) != 1 or rest[0].startswith("-"):
             print(f"flywheel keys: one argument, the directory to make\n\n{USAGE}", file=sys.stderr)
             return 2
@@ -80,11 +90,11 @@ def main(argv: list[str] | None = None) -> int:
             print(USAGE)
             print(help_text("flywheel demo", "Overrides apply to the hub and reward worker."))
             return 0
-        steps = _pop_int(rest, "--steps", 12)
-        generators = _pop_int(rest, "--generators", 3)
-        from flywheel.demo import run_demo
-
         try:
+            steps = _pop_int(rest, "--steps", 12, minimum=1)
+            generators = _pop_int(rest, "--generators", 3, minimum=1)
+            from flywheel.demo import run_demo
+
             return run_demo(rest, steps=steps, generators=generators)
         except ConfigError as err:
             print(f"flywheel demo: {err}", file=sys.stderr)
@@ -106,6 +116,10 @@ def _finish(argv: list[str]) -> int:
         argv.remove("--cancel")
     try:
         at_step = _pop_int(argv, "--at-step", 0)
+    except ConfigError as err:
+        print(f"flywheel finish: {err}", file=sys.stderr)
+        return 2
+    try:
         url = None
         if run_dir is not None:  # a local run: its resolved recipe and its private Redis
             argv = ["--config", str(run_dir / "config.yaml"), *argv]

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from flywheel.netsec import check_keys
     from reward_service.pool import PoolError, WorkerPool
-    from reward_service.registry import resolve
+    from reward_service.registry import check_kwargs, resolve
     from reward_service.scoring import FunctionSpec
     from reward_service.service import RewardService
 
@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = cfg.reward.tokenizer or cfg.data.tokenizer
     try:  # fail here, with the fix, rather than in every worker
         functions = [resolve(s.name) for s in specs]
+        for fn, spec in zip(functions, specs, strict=True):
+            check_kwargs(fn, spec.kwargs)
         check_keys(cfg.security, server=False)
     except ValueError as err:
         print(f"flywheel-reward: {err}", file=sys.stderr)

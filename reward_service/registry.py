@@ -19,6 +19,7 @@ the reward service: installed, or on ``PYTHONPATH``). Nothing else a config name
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,26 @@ def resolve(name: str) -> RewardFunction:
     if not callable(fn):
         raise ValueError(f"reward.functions: {module_name!r} has no function {attr!r}")
     return RewardFunction(name, fn)
+
+
+# what the reward service passes every call on its own: never a typo in a spec's kwargs
+_PASSED = ("prompt_ids", "completion_ids", "finish_reasons", "max_tokens", "call_timeout_s")
+
+
+def check_kwargs(fn: RewardFunction, kwargs: dict[str, Any]) -> None:
+    """Refuse a spec's kwargs the function does not take (``bufer_tokens`` for ``buffer_tokens``
+    was silently ignored by the built-ins, which take ``**_`` for what the service passes). A
+    function whose ``**kwargs`` has a name of its own uses them (or passes them on): taken at its word."""
+    params = list(inspect.signature(fn.fn).parameters.values())[3:]  # after prompts, completions, metadata
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if any(p.kind is p.VAR_KEYWORD and p.name != "_" for p in params):
+        return
+    unknown = sorted(k for k in kwargs if k not in named and k not in _PASSED)
+    if unknown:
+        raise ValueError(
+            f"reward function {fn.name!r} takes no argument {', '.join(map(repr, unknown))}: its arguments are "
+            f"{named or 'none'} (reward.functions[].kwargs)"
+        )
 
 
 def _load_builtins() -> None:

@@ -249,3 +249,25 @@ def test_string_flags_stay_strings_and_bad_yaml_names_where(tmp_path: Path) -> N
     recipe.write_text("async:\n\tmax_staleness: 4\n")
     with pytest.raises(ConfigError, match=f"recipe '{recipe}' is not valid YAML at line 2, column 1"):
         load_config(["--config", str(recipe)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["demo", "--steps", "x"], "--steps needs a whole number, got 'x'"),  # was a ValueError traceback
+        (["demo", "--steps"], "--steps needs a whole number, got ''"),  # was an IndexError traceback
+        (["demo", "--generators", "-1"], "--generators must be at least 1"),  # hung
+        (["finish", "/tmp", "--at-step", "x"], "--at-step needs a whole number"),  # blamed the directory
+    ],
+)
+def test_the_cli_names_a_bad_number(argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from flywheel.cli import main
+
+    assert main(argv) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_flywheel_keys_help_is_help(capsys: pytest.CaptureFixture[str]) -> None:
+    from flywheel.cli import main
+
+    assert main(["keys", "--help"]) == 0 and "keys DIR" in capsys.readouterr().out

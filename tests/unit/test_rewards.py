@@ -339,3 +339,13 @@ def test_the_config_knows_every_built_in_reward() -> None:
     from reward_service.registry import builtin_names
 
     assert sorted(BUILTIN_REWARDS) == builtin_names()
+
+
+def test_a_misspelled_reward_argument_is_refused_at_start() -> None:
+    """`{name: length_penalty, kwargs: {bufer_tokens: 256}}` ran with the default buffer, in silence."""
+    from reward_service.registry import check_kwargs, resolve
+
+    with pytest.raises(ValueError, match="'length_penalty' takes no argument 'bufer_tokens'"):
+        check_kwargs(resolve("length_penalty"), {"bufer_tokens": 256})
+    check_kwargs(resolve("length_penalty"), {"buffer_tokens": 256})
+    check_kwargs(resolve("reward_model"), {"url": "http://rm/score", "retries": 2})  # passed on to `remote`
