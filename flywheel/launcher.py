@@ -428,6 +428,12 @@ class LocalLaunch:
             local = key == "data.path" or value.startswith(("/", "./", "../", "~")) or Path(value).exists()
             if local and not Path(value).expanduser().exists():
                 raise ValueError(f"{key} {value!r} does not exist (a local path; an HF hub id reads org/name)")
+        if "reward" in cfg.launch.services:  # the built-ins' arguments, as the reward service checks them
+            from reward_service.registry import check_kwargs, resolve
+
+            for spec in cfg.reward.functions:
+                if ":" not in spec.name:
+                    check_kwargs(resolve(spec.name), spec.kwargs)
 
     def _prepare(self) -> None:
         cfg, start = self.cfg, self.cfg.launch.services
