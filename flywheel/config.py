@@ -882,6 +882,22 @@ class FlywheelConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _plans_agree(self) -> FlywheelConfig:
+        """Settings that each pass alone but cannot all hold."""
+        a, n = self.autoscale, self.launch.generators
+        if a.enabled and not a.min_generators <= n <= a.max_generators:
+            raise ValueError(
+                f"launch.generators {n} is outside autoscale.min_generators..max_generators "
+                f"({a.min_generators}..{a.max_generators}): the autoscaler would move it there at once"
+            )
+        if self.train.warmup_steps >= self.train.total_steps > 1:
+            raise ValueError(
+                f"train.warmup_steps {self.train.warmup_steps} >= train.total_steps {self.train.total_steps}: the "
+                "learning rate would never reach train.lr; shorten the warm-up"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _algorithm_is_consistent(self) -> FlywheelConfig:
         est = self.algo.advantage.estimator
         if est == "gae" and not self.algo.critic.enabled:

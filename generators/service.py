@@ -98,6 +98,16 @@ class GeneratorService:
         self.sync = sync
         self.generator_id = generator_id
         self.max_model_len = max_model_len
+        longest = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
+        if longest > max_model_len:  # said once: otherwise long prompts get shorter answers in silence
+            log.warning(
+                "data.max_prompt_tokens %d + rollout.max_tokens %d = %d is over the model's context (%d): a response "
+                "is cut at the context's end, so long prompts get less than rollout.max_tokens",
+                cfg.data.max_prompt_tokens,
+                cfg.rollout.max_tokens,
+                longest,
+                max_model_len,
+            )
         self.version = 0
         # False after an update failed half-way, or until the learner's first sync when the engine
         # loaded the base model only for its shape (generator.await_weights): no leases meanwhile

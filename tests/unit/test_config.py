@@ -271,3 +271,11 @@ def test_flywheel_keys_help_is_help(capsys: pytest.CaptureFixture[str]) -> None:
     from flywheel.cli import main
 
     assert main(["keys", "--help"]) == 0 and "keys DIR" in capsys.readouterr().out
+
+
+def test_settings_that_cannot_all_hold_are_refused() -> None:
+    with pytest.raises(ConfigError, match="launch.generators 5 is outside autoscale"):
+        load_config(["--autoscale.enabled", "true", "--autoscale.max_generators", "2", "--launch.generators", "5"])
+    with pytest.raises(ConfigError, match="train.warmup_steps 100 >= train.total_steps 50"):
+        load_config(["--train.warmup_steps", "100", "--train.total_steps", "50"])
+    load_config(["--autoscale.enabled", "true", "--launch.generators", "2"])
