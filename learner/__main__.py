@@ -169,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         redis_password(cfg.redis)
     except ValueError as err:
         problems.append(str(err))
+    if cfg.train.attn_implementation == "flash_attention_2":
+        import torch
+
+        if not torch.cuda.is_available():  # transformers' ImportError was a crash, and a restart loop
+            problems.append(
+                "--train.attn_implementation flash_attention_2 needs a GPU, and this machine has none: use sdpa"
+            )
     if not problems:
         problems += _preflight(cfg)
     if problems:

@@ -244,6 +244,8 @@ def test_bad_learner_flags_name_the_flag(tmp_path: Path) -> None:
     assert out.returncode == 2 and "--data.n_samples_per_prompt >= 2" in out.stderr
     out = run("--train.micro_batch_tokens", "-3")
     assert out.returncode == 2 and "train.micro_batch_tokens" in out.stderr
+    out = run("--train.model", "m", "--redis.url", "redis://x", "--train.attn_implementation", "flash_attention_2")
+    assert out.returncode == 2 and "flash_attention_2 needs a GPU" in out.stderr  # (this machine has none)
     out = run("--algo.advantage.estimator", "gae")
     assert out.returncode == 2 and "--algo.critic.enabled" in out.stderr
     out = run("--help")
