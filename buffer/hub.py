@@ -159,6 +159,9 @@ class Hub:
         # reward workers still send for them is expected, counted quietly and not stored
         self._revoked_leases: set[int] = set()
         self._dropped_groups: set[int] = set()
+        # groups this process dropped for failed rewards (stats' count is the run's, restored at a
+        # restart; groups_ready counts this process only)
+        self._reward_drops_here = 0
         self._rates = RateMeter()
         self.ingest_rates = {"tokens": 0.0, "chunks": 0.0}  # per second, over the last stats interval
         self._last_stats = time.monotonic()
@@ -551,7 +554,8 @@ class Hub:
         self.stats.groups_dropped_reward += 1
         del self.groups[gid]
         log.warning("group %d dropped: %d failed scores (first: %s)", gid, len(failed), failed[0])
-        if self.stats.groups_ready == 0 and self.stats.groups_dropped_reward == ALL_FAILED_GROUPS:
+        self._reward_drops_here += 1
+        if self.stats.groups_ready == 0 and self._reward_drops_here == ALL_FAILED_GROUPS:
             # Said once, loudly: a run whose rewards cannot score its data otherwise spends every
             # prompt and ends having trained nothing, with warnings only.
             log.error(

@@ -885,7 +885,7 @@ class FlywheelConfig(_Section):
     def _plans_agree(self) -> FlywheelConfig:
         """Settings that each pass alone but cannot all hold."""
         a, n = self.autoscale, self.launch.generators
-        if a.enabled and not a.min_generators <= n <= a.max_generators:
+        if a.enabled and "generator" in self.launch.services and not a.min_generators <= n <= a.max_generators:
             raise ValueError(
                 f"launch.generators {n} is outside autoscale.min_generators..max_generators "
                 f"({a.min_generators}..{a.max_generators}): the autoscaler would move it there at once"

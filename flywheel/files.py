@@ -20,7 +20,9 @@ def write_atomically(path: str | Path, data: str | bytes, private: bool = False,
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     raw = data.encode() if isinstance(data, str) else data
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    tmp.unlink(missing_ok=True)  # one a killed writer of this pid left: made afresh, never followed
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    fd = os.open(tmp, flags, 0o600 if private else 0o666)  # (not private: the umask decides, as open() does)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(raw)

@@ -194,7 +194,7 @@ def set_aside(run_dir: Path) -> Path | None:
     project, or ``.``) is refused, as is one whose run is still going."""
     if not run_dir.is_dir() or not any(run_dir.iterdir()):
         return None
-    if not any((run_dir / name).exists() for name in (SERVICES_FILE, "config.yaml", "logs", "redis")):
+    if not (run_dir / SERVICES_FILE).exists():  # every run writes it first thing (LocalLaunch.__init__)
         raise ValueError(
             f"{run_dir} holds files that are not a Flywheel run, and a new run would move it aside: pick another "
             "--run.name / --launch.run_dir, or an empty directory"
@@ -241,6 +241,9 @@ class LocalLaunch:
         self.restart_times: defaultdict[str, deque[float]] = defaultdict(deque)  # within the restart window
         self.restart_due: dict[str, float] = {}  # a dead service's next restart, once its back-off is over
         self.quick_crashes: Counter[str] = Counter()  # crashes in a row soon after a restart (_backed_off)
+        # First thing: the directory is now a run's, and a second launcher sees this one live
+        # (its pid) while it prepares, before any service has started.
+        self._publish_pids()
 
     # ------------------------------------------------------------------ the run
 
@@ -419,6 +422,8 @@ class LocalLaunch:
         that did not exist restarted the generator five times over three minutes, ending in a vLLM
         traceback about repo ids. (Anything not written as a path may be an HF hub id.)"""
         cfg = self.cfg
+        if cfg.launch.launcher == "ray" and cfg.launch.ray_address is not None:
+            return  # the services run on the cluster's nodes: the paths are theirs, not this machine's
         paths = {"train.model": cfg.train.model, "data.tokenizer": cfg.data.tokenizer}
         if cfg.task.name == "none":
             paths["data.path"] = cfg.data.path

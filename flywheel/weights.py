@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import threading
 import time
@@ -265,20 +264,17 @@ def host_store(host: str, timeout_s: float) -> dist.TCPStore:
     except OSError:
         sock.close()
         raise
-    fd = sock.detach()
-    try:
-        return dist.TCPStore(
-            host,
-            port,
-            None,
-            is_master=True,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-            master_listen_fd=fd,
-        )
-    except BaseException:
-        os.close(fd)
-        raise
+    # The store owns the socket from here, failure included (closing it again could close an fd
+    # another thread has been given since).
+    return dist.TCPStore(
+        host,
+        port,
+        None,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
 
 
 def join_group(

@@ -78,6 +78,12 @@ class Quarantine:
     def holds(self, gen_id: str, now: float) -> bool:
         return now < self.until.get(gen_id, 0.0)
 
+    def forget_gone(self, present: set[str], now: float) -> None:
+        """Drop the records of generators no longer heard from whose time out is over (an id
+        evicted at its failed sync and never back: a restart under a fresh id leaves one)."""
+        for gen_id in [g for g, until in self.until.items() if g not in present and until <= now]:
+            self.clear(gen_id)
+
     def clear(self, gen_id: str) -> None:
         self.until.pop(gen_id, None)
         self.strikes.pop(gen_id, None)
@@ -201,6 +207,7 @@ class WeightBroadcaster:
             log.warning("generator %s silent for %.0fs: leaves the weight sync", gen_id, self.cfg.member_timeout_s)
             del self.members[gen_id]
             self.quarantine.clear(gen_id)  # (a generator gone for good leaves no record behind)
+        self.quarantine.forget_gone(set(self.members), now)
         return {
             g: m
             for g, m in self.members.items()

@@ -242,6 +242,8 @@ def test_lease_past_its_deadline_is_revoked_and_reissued(cluster: Cluster) -> No
         "1.0",
         "--data.n_samples_per_prompt",
         "1",
+        "--algo.advantage.estimator",
+        "reinforce_pp",  # one sample per prompt: a group estimator refuses it
         "--async.groups_per_step",
         "1",
         "--async.max_staleness",

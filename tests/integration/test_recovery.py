@@ -137,6 +137,8 @@ def test_two_racing_consumers_never_get_the_same_group(cluster: Cluster, tmp_pat
         "4",
         "--data.n_samples_per_prompt",
         "1",
+        "--algo.advantage.estimator",
+        "reinforce_pp",  # one sample per prompt: a group estimator refuses it
         "--data.epochs",
         "20",
     )

@@ -5,6 +5,7 @@ from the training window alone."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -28,8 +29,10 @@ def test_a_new_run_sets_the_previous_one_aside(tmp_path: Path) -> None:
     assert set_aside(run_dir) is None  # nothing there yet
     (run_dir / "redis").mkdir(parents=True)
     (run_dir / "redis" / "appendonly.aof").write_text("old")
+    (run_dir / "services.json").write_text("{}")  # what every run writes first
     assert set_aside(run_dir) == tmp_path / "run.1"
     (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "services.json").write_text("{}")
     assert set_aside(run_dir) == tmp_path / "run.2"
     assert (tmp_path / "run.1" / "redis" / "appendonly.aof").read_text() == "old"
     (run_dir / "logs").mkdir(parents=True)
@@ -37,6 +40,8 @@ def test_a_new_run_sets_the_previous_one_aside(tmp_path: Path) -> None:
     assert (run_dir / "logs").is_dir() and not (tmp_path / "run.3").exists()
     LocalLaunch(load_config(["--launch.run_dir", str(run_dir)]))
     assert (tmp_path / "run.3" / "logs").is_dir() and not any((run_dir / "logs").iterdir())
+    # a launcher claims its directory before it prepares anything: a second one sees it live at once
+    assert json.loads((run_dir / "services.json").read_text())["launcher_pid"] == os.getpid()
 
 
 def test_only_a_finished_run_is_set_aside(tmp_path: Path) -> None:
@@ -44,7 +49,8 @@ def test_only_a_finished_run_is_set_aside(tmp_path: Path) -> None:
     `flywheel run` under a running one's name moved the live run away under it (its restarted
     learner then found no recipe)."""
     project = tmp_path / "project"
-    project.mkdir()
+    (project / "logs").mkdir(parents=True)  # a project's logs and config.yaml do not make it a run
+    (project / "config.yaml").write_text("mine: 1")
     (project / "train.py").write_text("mine")
     with pytest.raises(ValueError, match="not a Flywheel run"):
         set_aside(project)

@@ -1,0 +1,33 @@
+"""The weight sync's time outs for generators that never came to a rendezvous: doubling, cleared
+by an ack, and forgotten once their generator is gone for good."""
+
+from __future__ import annotations
+
+import time
+
+from learner.weight_sync import QUARANTINE_MAX_S, Quarantine
+
+
+def test_each_repeat_doubles_the_time_out_up_to_its_cap() -> None:
+    q = Quarantine(base_s=100.0)
+    now = time.monotonic()
+    lengths = []
+    for _ in range(5):
+        q.add("gen1", "never came")
+        lengths.append(round(q.until["gen1"] - now, -1))
+    assert lengths == [100.0, 200.0, 400.0, QUARANTINE_MAX_S, QUARANTINE_MAX_S]
+    assert q.holds("gen1", now) and not q.holds("gen2", now)
+    q.clear("gen1")  # it acked a sync: a fresh start
+    assert not q.holds("gen1", now) and "gen1" not in q.strikes
+
+
+def test_the_records_of_generators_gone_for_good_are_forgotten() -> None:
+    q = Quarantine(base_s=10.0)
+    q.add("gone", "never came")
+    q.add("still-heard", "never came")
+    now = time.monotonic()
+    q.forget_gone({"still-heard"}, now)
+    assert "gone" in q.until  # its time out is not over: kept (it may be back)
+    q.forget_gone({"still-heard"}, now + 11)
+    assert "gone" not in q.until and "gone" not in q.strikes
+    assert "still-heard" in q.strikes  # heard from: its record (and its strikes) stay
