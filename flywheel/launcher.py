@@ -263,8 +263,11 @@ class LocalLaunch:
             self._start_services()
             self._watch()
             self._final_eval()
-            trained = self._read_last(self.run_dir / "learner_metrics.jsonl") or {}
-            if "learner" in self.cfg.launch.services and not trained.get("step"):
+            # (the learner opens its metrics file as it starts: none here means it wrote it on a
+            # node of its own, a Ray cluster's, and this machine cannot tell)
+            metrics = self.run_dir / "learner_metrics.jsonl"
+            trained = self._read_last(metrics) or {}
+            if "learner" in self.cfg.launch.services and metrics.exists() and not trained.get("step"):
                 self.console.print(
                     "[bold red]flywheel run: the learner ended without training a step: see the hub's and the "
                     f"learner's logs in {self.logs} (failed rewards, spent prompts)"

@@ -498,7 +498,9 @@ def test_a_run_that_trained_nothing_or_was_refused_its_configuration_fails(
     launch = _launch(tmp_path, monkeypatch, [])
     for stage in ("_prepare", "_start_services", "_watch", "_final_eval", "_shutdown"):
         monkeypatch.setattr(launch, stage, lambda: None)
-    assert launch.run() == 1  # the learner ended, no step in its metrics
+    assert launch.run() == 0  # no metrics file: written on another node (Ray), nothing to tell
+    (tmp_path / "learner_metrics.jsonl").write_text("")  # the learner opened it and trained nothing
+    assert launch.run() == 1
     (tmp_path / "learner_metrics.jsonl").write_text(json.dumps({"step": 3}) + "\n")
     assert launch.run() == 0
 
