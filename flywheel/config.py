@@ -863,20 +863,22 @@ class FlywheelConfig(_Section):
     @model_validator(mode="after")
     def _ports_are_distinct(self) -> FlywheelConfig:
         """Two sockets on one port of one host: the second service died with "Address already in
-        use" (a traceback, then restarts). Checked per host as configured (0 picks a free port)."""
+        use" (a traceback, then restarts). One service's ports must differ; two services' only
+        when both bind loopback, the one host they surely share (0 picks a free port)."""
         ports = [
-            (self.hub.host, "hub.generator_port", self.hub.generator_port),
-            (self.hub.host, "hub.reward_port", self.hub.reward_port),
-            (self.hub.host, "hub.metrics_port", self.hub.metrics_port or 0),
-            (self.sync.host, "sync.announce_port", self.sync.announce_port),
-            (self.sync.host, "sync.join_port", self.sync.join_port),
-            (self.rm.host, "rm.port", self.rm.port),
+            ("hub", self.hub.host, "hub.generator_port", self.hub.generator_port),
+            ("hub", self.hub.host, "hub.reward_port", self.hub.reward_port),
+            ("hub", self.hub.host, "hub.metrics_port", self.hub.metrics_port or 0),
+            ("learner", self.sync.host, "sync.announce_port", self.sync.announce_port),
+            ("learner", self.sync.host, "sync.join_port", self.sync.join_port),
+            ("rm", self.rm.host, "rm.port", self.rm.port),
         ]
         seen: dict[tuple[str, int], str] = {}
-        for host, key, port in ports:
+        for service, host, key, port in ports:
             if not port:
                 continue
-            other = seen.setdefault((host, port), key)
+            shared = host in ("127.0.0.1", "localhost", "::1")
+            other = seen.setdefault((host if shared else f"{service}@{host}", port), key)
             if other != key:
                 raise ValueError(f"{key} and {other} are both {port} on {host}: give each its own port")
         return self

@@ -236,6 +236,7 @@ def test_two_sockets_on_one_port_are_refused() -> None:
         load_config(["--sync.announce_port", "6000", "--sync.join_port", "6000"])
     load_config(["--hub.generator_port", "0", "--hub.reward_port", "0"])  # free ports, each its own
     load_config(["--hub.reward_port", "5557", "--hub.host", "10.0.0.2"])  # another host than the learner's
+    load_config(["--hub.host", "0.0.0.0", "--sync.host", "0.0.0.0", "--hub.reward_port", "5557"])  # two machines
 
 
 def test_string_flags_stay_strings_and_bad_yaml_names_where(tmp_path: Path) -> None:
