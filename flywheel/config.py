@@ -892,6 +892,11 @@ class FlywheelConfig(_Section):
                 f"launch.generators {n} is outside autoscale.min_generators..max_generators "
                 f"({a.min_generators}..{a.max_generators}): the autoscaler would move it there at once"
             )
+        if "generator" in self.launch.services and n == 0 and not a.enabled:
+            raise ValueError(
+                "launch.generators 0 starts no generator, and nothing would generate: start one, enable "
+                "autoscale, or leave 'generator' out of launch.services when generators run elsewhere"
+            )
         if self.train.warmup_steps >= self.train.total_steps > 1:
             raise ValueError(
                 f"train.warmup_steps {self.train.warmup_steps} >= train.total_steps {self.train.total_steps}: the "

@@ -280,3 +280,6 @@ def test_settings_that_cannot_all_hold_are_refused() -> None:
     with pytest.raises(ConfigError, match="train.warmup_steps 100 >= train.total_steps 50"):
         load_config(["--train.warmup_steps", "100", "--train.total_steps", "50"])
     load_config(["--autoscale.enabled", "true", "--launch.generators", "2"])
+    with pytest.raises(ConfigError, match="launch.generators 0 starts no generator"):
+        load_config(["--launch.generators", "0"])
+    load_config(["--launch.generators", "0", "--launch.services", "[redis, hub, reward, learner]"])
