@@ -30,7 +30,11 @@ class RunConfig(_Section):
     name: str = Field(
         "flywheel", description="Run name; the Redis key prefix is fw:<name>. Letters, digits, '_', '-', '.'."
     )
-    seed: int = Field(0, ge=0, description="Base random seed (data shuffling, simulated generators).")
+    seed: int = Field(
+        0,
+        ge=0,
+        description="Seed of the model built from code (launch.tiny_model) and of the warm start (data order: data.seed).",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Logging level of every service."
     )
@@ -61,7 +65,8 @@ class RedisConfig(_Section):
         description="redis:// URL of an existing server. Unset: the launcher starts a private redis-server (AOF on).",
     )
     dir: str | None = Field(
-        None, description="Data directory of a private server (AOF files). Unset: a fresh temporary directory."
+        None,
+        description="Data directory of the private server flywheel run starts (AOF files). Unset: <run_dir>/redis.",
     )
     appendfsync: Literal["always", "everysec", "no"] = Field(
         "everysec",
@@ -83,7 +88,11 @@ class RedisConfig(_Section):
         10.0, gt=0, le=600, description="Timeout of every Redis call; a hung Redis raises instead of blocking forever."
     )
     connect_timeout_s: float = Field(
-        30.0, ge=0, le=3600, description="How long a service waits for Redis to answer at start-up."
+        30.0,
+        ge=0,
+        le=3600,
+        description="How long a service waits for Redis to answer at start-up; the learner also retries this long "
+        "through a Redis outage mid-run.",
     )
     username: str | None = Field(
         None, description="Redis ACL user (unset: the default user). A private server gets this user, all rights."
@@ -426,7 +435,13 @@ class GeneratorConfig(_Section):
     )
     max_model_len: int | None = Field(None, ge=16, description="Longest prompt + response; unset: the model's.")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory vLLM may take.")
-    cpu_kv_cache_gib: float = Field(1.0, gt=0, le=1024, description="KV-cache size on CPUs (VLLM_CPU_KVCACHE_SPACE).")
+    cpu_kv_cache_gib: float = Field(
+        1.0,
+        gt=0,
+        le=1024,
+        description="KV-cache size on CPUs (VLLM_CPU_KVCACHE_SPACE, which vLLM reads in whole GiB: rounded up, at least "
+        "1; the variable set in the environment wins).",
+    )
     cpu_reserved_cores: int = Field(
         0,
         ge=0,

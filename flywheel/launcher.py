@@ -297,7 +297,7 @@ class LocalLaunch:
     def _start_redis(self) -> str:
         password, user = redis_password(self.cfg.redis), self.cfg.redis.username
         self.redis = RedisServer(
-            self.run_dir / "redis",
+            Path(self.cfg.redis.dir) if self.cfg.redis.dir else self.run_dir / "redis",
             appendfsync=self.cfg.redis.appendfsync,
             aof_rewrite_min_mb=self.cfg.redis.aof_rewrite_min_mb,
             password=password,

@@ -204,7 +204,7 @@ class RayLaunch(LocalLaunch):
     def _start_redis(self) -> str:
         bind = "0.0.0.0" if self.spread else "127.0.0.1"
         self._redis_actor = _RedisActor.options(scheduling_strategy=self._strategy("hub")).remote(
-            str(self.run_dir / "redis"),
+            str(self.cfg.redis.dir or self.run_dir / "redis"),
             bind,
             self.cfg.redis.appendfsync,
             self.cfg.redis.aof_rewrite_min_mb,
