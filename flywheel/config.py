@@ -17,11 +17,27 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_default=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads True as 1: `--async.max_staleness true` would run at 1
+        if isinstance(value, bool) and info.field_name and _is_numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"a number is wanted here, not the boolean {str(value).lower()}")
+        return value
+
+
+def _is_numeric(annotation: Any) -> bool:
+    """int, float, or either of them optional (a bool field is not numeric)."""
+    if annotation in (int, float):
+        return True
+    args = typing.get_args(annotation)
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and any(a in (int, float) for a in args)
 
 
 class RunConfig(_Section):

@@ -14,6 +14,26 @@ from flywheel.tasks import arithmetic_correct
 from reward_service.registry import register
 
 
+def _regexes_compile(kwargs: dict[str, Any], *keys: str) -> None:
+    for key in keys:
+        if kwargs.get(key) is not None:
+            try:
+                re.compile(kwargs[key])
+            except (re.error, TypeError) as err:
+                raise ValueError(f"kwargs.{key} {kwargs[key]!r} is not a regular expression ({err})") from None
+
+
+def _one_pattern(kwargs: dict[str, Any]) -> None:
+    if (kwargs.get("pattern") is None) == (kwargs.get("pattern_key") is None):
+        raise ValueError("give exactly one of kwargs.pattern (a regex) or kwargs.pattern_key (a metadata key)")
+    _regexes_compile(kwargs, "pattern")
+
+
+def _needs_url(kwargs: dict[str, Any]) -> None:
+    if not kwargs.get("url"):
+        raise ValueError("kwargs.url is needed, e.g. {name: remote, kwargs: {url: http://host:port/score}}")
+
+
 def _answer(meta: dict[str, Any], key: str) -> str:
     if meta.get(key) is None:
         raise ValueError(f"metadata has no {key!r}: add it to data.metadata_keys (or set kwargs.answer_key)")
@@ -111,7 +131,7 @@ def _final_answer(completion: str) -> tuple[str, bool]:
     return completion, not _PROSE.search(_LATEX_COMMAND.sub(" ", completion))
 
 
-@register("exact_match")
+@register("exact_match", check=lambda kw: _regexes_compile(kw, "extract"))
 def exact_match(
     prompts: list[str],
     completions: list[str],
@@ -156,7 +176,7 @@ def _number(text: str) -> float | None:
         return None
 
 
-@register("regex_match")
+@register("regex_match", check=lambda kw: _one_pattern(kw))
 def regex_match(
     prompts: list[str],
     completions: list[str],
@@ -181,7 +201,7 @@ def regex_match(
     return out
 
 
-@register("format")
+@register("format", check=lambda kw: _regexes_compile(kw, "pattern"))
 def format_reward(
     prompts: list[str],
     completions: list[str],
@@ -252,7 +272,7 @@ class _Retryable(Exception):
     pass
 
 
-@register("remote")
+@register("remote", check=lambda kw: _needs_url(kw))
 async def remote(
     prompts: list[str],
     completions: list[str],

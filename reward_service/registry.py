@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 BatchFn = Callable[..., Any]
+KwargsCheck = Callable[[dict[str, Any]], None]  # raises ValueError naming the bad kwarg
 
 
 @dataclass(frozen=True)
@@ -32,16 +33,18 @@ class RewardFunction:
     name: str
     fn: BatchFn
     needs_text: bool = True  # False: scores token ids only (no tokenizer needed)
+    check: KwargsCheck | None = None  # a built-in's own check of its kwargs, run before any scoring
 
 
 _BUILTINS: dict[str, RewardFunction] = {}
 
 
-def register(name: str, needs_text: bool = True) -> Callable[[BatchFn], BatchFn]:
-    """Decorator: make ``fn`` a built-in reward function called ``name``."""
+def register(name: str, needs_text: bool = True, check: KwargsCheck | None = None) -> Callable[[BatchFn], BatchFn]:
+    """Decorator: make ``fn`` a built-in reward function called ``name``; ``check`` refuses bad
+    kwargs at start (a run then fails in seconds, not at its first score)."""
 
     def add(fn: BatchFn) -> BatchFn:
-        _BUILTINS[name] = RewardFunction(name, fn, needs_text)
+        _BUILTINS[name] = RewardFunction(name, fn, needs_text, check)
         return fn
 
     return add
@@ -86,6 +89,11 @@ def check_kwargs(fn: RewardFunction, kwargs: dict[str, Any]) -> None:
     function whose ``**kwargs`` has a name of its own uses them (or passes them on): taken at its word."""
     params = list(inspect.signature(fn.fn).parameters.values())[3:]  # after prompts, completions, metadata
     named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if fn.check is not None:
+        try:
+            fn.check(kwargs)
+        except ValueError as err:
+            raise ValueError(f"reward function {fn.name!r}: {err} (reward.functions[].kwargs)") from None
     if any(p.kind is p.VAR_KEYWORD and p.name != "_" for p in params):
         return
     unknown = sorted(k for k in kwargs if k not in named and k not in _PASSED)

@@ -252,6 +252,17 @@ def test_string_flags_stay_strings_and_bad_yaml_names_where(tmp_path: Path) -> N
         load_config(["--config", str(recipe)])
 
 
+def test_a_boolean_is_not_a_number(tmp_path: Path) -> None:
+    """`--async.max_staleness true` ran at 1 (pydantic's lax mode reads True as 1)."""
+    with pytest.raises(ConfigError, match=r"`async.max_staleness`: .*a number is wanted here, not the boolean true"):
+        load_config(["--async.max_staleness", "true"])
+    recipe = tmp_path / "lr.yaml"
+    recipe.write_text("train:\n  lr: false\n")
+    with pytest.raises(ConfigError, match=r"`train.lr`: .*not the boolean false"):
+        load_config(["--config", str(recipe)])
+    assert load_config(["--async.requeue_stale", "true"]).async_.requeue_stale is True  # a bool stays a bool
+
+
 @pytest.mark.parametrize(
     ("argv", "said"),
     [

@@ -349,3 +349,23 @@ def test_a_misspelled_reward_argument_is_refused_at_start() -> None:
         check_kwargs(resolve("length_penalty"), {"bufer_tokens": 256})
     check_kwargs(resolve("length_penalty"), {"buffer_tokens": 256})
     check_kwargs(resolve("reward_model"), {"url": "http://rm/score", "retries": 2})  # passed on to `remote`
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "said"),
+    [
+        ("regex_match", {}, "give exactly one of kwargs.pattern"),  # failed every group at its first score
+        ("regex_match", {"pattern": "a", "pattern_key": "rx"}, "give exactly one of kwargs.pattern"),
+        ("regex_match", {"pattern": "(yes"}, "kwargs.pattern '\\(yes' is not a regular expression"),
+        ("format", {"pattern": "["}, "kwargs.pattern '\\[' is not a regular expression"),
+        ("exact_match", {"extract": "(?P<"}, "kwargs.extract .* is not a regular expression"),
+        ("remote", {"timeout_s": 5}, "kwargs.url is needed"),
+    ],
+)
+def test_a_built_ins_bad_arguments_are_refused_at_start(name: str, kwargs: dict[str, Any], said: str) -> None:
+    from reward_service.registry import check_kwargs, resolve
+
+    with pytest.raises(ValueError, match=f"reward function '{name}': {said}"):
+        check_kwargs(resolve(name), kwargs)
+    check_kwargs(resolve("regex_match"), {"pattern_key": "rx"})
+    check_kwargs(resolve("exact_match"), {"extract": None})
