@@ -3,6 +3,7 @@ generators, DeepSpeed learner) while services are killed with SIGKILL at random.
 
     python bench/chaos.py                 # 10 faults, every kind of service at least twice
     python bench/chaos.py --faults 5 --steps 40
+    python bench/chaos.py --quick         # one fault of each kind, no spares: about 4 minutes
 
 Prints each fault with its recovery time and the audit (chunks acknowledged vs persisted, groups
 claimed twice, target step reached), and writes ``bench/results/chaos.json``. ``flywheel.chaos``
@@ -111,9 +112,20 @@ def main() -> int:
         default=True,
         help="hold a standby learner (launch.standby_learner)",
     )
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos.json")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="one fault of each kind, 3-6 s apart, no spares nor standby learner (the real loop still starts: "
+        "minutes, not seconds)",
+    )
+    p.add_argument("--out", type=Path, default=None, help="(default bench/results/chaos.json; quick: chaos_quick.json)")
     p.add_argument("--keep", action="store_true", help="keep the run directory")
     args = p.parse_args()
+    if args.quick:
+        args.faults, args.steps, args.interval = len(VICTIMS), 40, (3.0, 6.0)
+        args.spares, args.standby_learner = 0, False
+    # a quick look never overwrites the recorded full run
+    args.out = args.out or ROOT / "bench" / "results" / ("chaos_quick.json" if args.quick else "chaos.json")
     work = Path(tempfile.mkdtemp(prefix="flywheel-chaos-"))
     try:
         report = chaos(

@@ -6,6 +6,7 @@ crashes (must be 0) and messages per second. Servers run as real processes (the 
 Redis, the reward-model server); clients run here against a hostile peer socket.
 
     python bench/fuzz.py [--messages 1000000] [--http-requests 100000] [--examples 3000] [--seed 0]
+    python bench/fuzz.py --quick   # every socket, 2,000 messages each: the code path, under a minute
 """
 
 from __future__ import annotations
@@ -51,11 +52,14 @@ def headline(sockets: list[dict[str, Any]]) -> dict[str, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--messages", type=int, default=1_000_000, help="messages per ZMQ socket")
-    ap.add_argument("--http-requests", type=int, default=100_000, help="requests per HTTP endpoint")
-    ap.add_argument("--examples", type=int, default=3000, help="hypothesis examples in the seed corpus")
+    ap.add_argument("--messages", type=int, default=None, help="messages per ZMQ socket (1,000,000; quick 2,000)")
+    ap.add_argument("--http-requests", type=int, default=None, help="requests per HTTP endpoint (100,000; quick 200)")
+    ap.add_argument(
+        "--examples", type=int, default=None, help="hypothesis examples in the seed corpus (3,000; quick 100)"
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fuzz.json")
+    ap.add_argument("--quick", action="store_true", help="few messages per socket: the code path, under a minute")
+    ap.add_argument("--out", type=Path, default=None, help="(default bench/results/fuzz.json; quick: fuzz_quick.json)")
     ap.add_argument(
         "--only",
         nargs="*",
@@ -63,6 +67,11 @@ def main() -> int:
         help="run only the sockets whose name has one of these; others keep their entry in --out",
     )
     args = ap.parse_args()
+    for name, full, quick in (("messages", 1_000_000, 2_000), ("http_requests", 100_000, 200), ("examples", 3000, 100)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    # a quick look never overwrites the recorded full run
+    args.out = args.out or ROOT / "bench" / "results" / ("fuzz_quick.json" if args.quick else "fuzz.json")
 
     work = Path(tempfile.mkdtemp(prefix="flywheel-fuzz-"))
     t0 = time.perf_counter()

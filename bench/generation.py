@@ -333,7 +333,9 @@ def run_inflight(work: Path, model_dir: Path, syncs: int) -> dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small model, few requests, no in-flight phase")
+    p.add_argument(
+        "--quick", action="store_true", help="under a minute: small model, few requests, eager vLLM, no in-flight phase"
+    )
     p.add_argument(
         "--out", default=None, help="(default bench/results/generation.json; with --quick, generation_quick.json)"
     )
@@ -355,7 +357,8 @@ def main() -> int:
 
     hf = run_hf(model_dir, reqs, hf_batch)
     console.print(f"HF generate: {hf['tokens_per_s']:.0f} tokens/s")
-    vllm = asyncio.run(_vllm(model_dir, reqs, enforce_eager=False))
+    # quick: eager (no compile and graph capture, which take most of a minute on CPU)
+    vllm = asyncio.run(_vllm(model_dir, reqs, enforce_eager=args.quick))
     console.print(f"vLLM engine: {vllm['tokens_per_s']:.0f} tokens/s")
     sync_rows = run_sync(
         model_dir, [0.25, 1, 4, 16, 64] if not args.quick else [1, 16], repeats=5 if not args.quick else 3

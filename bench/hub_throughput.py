@@ -13,7 +13,8 @@ Phases, all in one run on the same machine:
   E. The machine's ceiling (``bench/raw_frames.py``): the same frames stored raw in Redis by a
      relay that does none of the hub's work, saturated and at the target rate.
 
-    python bench/hub_throughput.py [--quick]
+    python bench/hub_throughput.py           # the record: 40 s phases, about 7 minutes
+    python bench/hub_throughput.py --quick   # under a minute: A, B at the target, C and D, 4 s each
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -258,7 +260,11 @@ def run_ray(generators: int, seconds: float, batched: bool) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="short phases (under a minute of measuring)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="under a minute: short phases, the headline's three runs only (no half-rate row, no ceiling)",
+    )
     p.add_argument("--generators", type=int, default=2)
     p.add_argument("--keep-work", action="store_true", help="keep the run files (Redis's AOF: gigabytes)")
     p.add_argument(
@@ -271,12 +277,13 @@ def main() -> int:
     args.out = args.out or str(
         ROOT / "bench" / "results" / ("hub_throughput_quick.json" if args.quick else "hub_throughput.json")
     )
-    seconds, warmup = (10.0, 4.0) if args.quick else (40.0, 8.0)
+    seconds, warmup = (4.0, 2.0) if args.quick else (40.0, 8.0)
+    shares = (1.0,) if args.quick else (1.0, 0.5)
     with scratch_dir("flywheel-bench-", args.keep_work) as work:
         console.print(f"[bold]A[/bold] Flywheel, saturated, {args.generators} generators, {seconds:.0f}s ...")
         sat = run_flywheel(work, args.generators, warmup, seconds, tokens_per_s=None)
         paced_runs = {}
-        for share in (1.0, 0.5):  # chunk-to-durable latency at the target rate, and at half of it
+        for share in shares:  # chunk-to-durable latency at the target rate, and at half of it
             offered = share * TARGET_TOKENS_PER_S
             console.print(
                 f"[bold]B[/bold] Flywheel paced at {offered / 1e6:.2f}M tokens/s ({share:.0%} of the target) ..."
@@ -287,12 +294,18 @@ def main() -> int:
         ray_batched = run_ray(args.generators, seconds, batched=True)
         console.print("[bold]D[/bold] ray.util.queue.Queue, one put per chunk ...")
         ray_chunk = run_ray(args.generators, min(seconds, 10.0), batched=False)
-        frame = (CAPACITY * SAMPLES_PER_PROMPT, (CHUNK_MIN, CHUNK_MAX))
-        console.print(
-            "[bold]E[/bold] raw frames into Redis, none of the hub's work: saturated, then at the target rate ..."
-        )
-        raw_sat = run_raw_frames(work, args.generators, warmup, seconds, None, *frame)
-        raw_target = run_raw_frames(work, args.generators, warmup, seconds, TARGET_TOKENS_PER_S, *frame)
+        ceiling: dict[str, dict[str, float]] = {}
+        if not args.quick:
+            frame = (CAPACITY * SAMPLES_PER_PROMPT, (CHUNK_MIN, CHUNK_MAX))
+            console.print(
+                "[bold]E[/bold] raw frames into Redis, none of the hub's work: saturated, then at the target rate ..."
+            )
+            ceiling["raw frames (ceiling), saturated"] = run_raw_frames(
+                work, args.generators, warmup, seconds, None, *frame
+            )
+            ceiling["raw frames (ceiling), 2M offered"] = run_raw_frames(
+                work, args.generators, warmup, seconds, TARGET_TOKENS_PER_S, *frame
+            )
 
     table = Table(title="hub_throughput: chunks of 16-64 tokens, samples of 256-4096 tokens")
     for col in (
@@ -328,7 +341,7 @@ def main() -> int:
             f"{run['ack_ms_p99']:.2f}",
             "",
         )
-    for name, run in (("raw frames (ceiling), saturated", raw_sat), ("raw frames (ceiling), 2M offered", raw_target)):
+    for name, run in ceiling.items():
         table.add_row(
             name,
             "yes",
@@ -365,13 +378,10 @@ def main() -> int:
         "rows": {
             "flywheel_saturated": sat,
             "flywheel_at_target_rate": paced,
-            "flywheel_at_half_target_rate": paced_runs[0.5],
             "ray_queue_batched_tokens_per_s": ray_batched,
             "ray_queue_per_chunk_tokens_per_s": ray_chunk,
             "ratio_vs_ray_queue_per_chunk": e2e / ray_chunk,
-            "raw_frames_saturated": raw_sat,
-            "raw_frames_at_target_rate": raw_target,
-            "raw_frames_ratio_vs_ray_queue": raw_sat["consumer_tokens_per_s"] / ray_batched,
+            **_full_run_rows(paced_runs, ceiling, ray_batched),
         },
         "config": {
             "generators": args.generators,
@@ -401,6 +411,21 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=2))
     console.print(f"wrote {out}")
     return 0
+
+
+def _full_run_rows(
+    paced_runs: dict[float, dict[str, float]], ceiling: dict[str, dict[str, float]], ray_batched: float
+) -> dict[str, Any]:
+    """The rows only a full run measures (a quick one has no half-rate run and no ceiling)."""
+    if not ceiling:
+        return {}
+    raw_sat, raw_target = ceiling.values()
+    return {
+        "flywheel_at_half_target_rate": paced_runs[0.5],
+        "raw_frames_saturated": raw_sat,
+        "raw_frames_at_target_rate": raw_target,
+        "raw_frames_ratio_vs_ray_queue": raw_sat["consumer_tokens_per_s"] / ray_batched,
+    }
 
 
 if __name__ == "__main__":

@@ -496,8 +496,10 @@ def main() -> int:
     p.add_argument("--fleet-procs", type=int, default=LoadConfig.fleet_procs)
     p.add_argument("--seconds", type=float, default=LoadConfig.seconds, help="measured after registration")
     p.add_argument("--keep-work", action="store_true", help="keep the run's files (logs, Redis data)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "load.json"))
+    p.add_argument("--out", default=None, help="(default bench/results/load.json; quick: load_quick.json)")
     args = p.parse_args()
+    # a quick look never overwrites the recorded full run
+    args.out = args.out or str(ROOT / "bench" / "results" / ("load_quick.json" if args.quick else "load.json"))
     cfg = LoadConfig(generators=args.generators, fleet_procs=args.fleet_procs, seconds=args.seconds)
     if args.quick:
         cfg.seconds = 30.0
@@ -506,10 +508,9 @@ def main() -> int:
         result = run_load(work, cfg, console.print)
     result["machine"] = {"cpus": psutil.cpu_count(), "platform": platform.platform()}
     print_report(result, console)
-    if not args.quick:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["headline"]))
     return 0
 

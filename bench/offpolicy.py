@@ -654,7 +654,7 @@ def parse_args() -> argparse.Namespace:
         help="at η = 0 run the first correction only (the corrections take the same update on fresh batches)",
     )
     p.add_argument("--fresh", action="store_true", help="run again what --work already holds a result of")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "offpolicy.json"))
+    p.add_argument("--out", default=None, help="(default bench/results/offpolicy.json; quick: offpolicy_quick.json)")
     p.add_argument(
         "--from-results",
         action="store_true",
@@ -664,6 +664,10 @@ def parse_args() -> argparse.Namespace:
     args.overrides = overrides  # the rest: config flags (--async.groups_per_step 16)
     if args.quick:
         args.steps, args.tasks, args.etas = 2, ["add"], [0, 8]
+    # a quick look never overwrites the recorded full run
+    args.out = args.out or str(
+        ROOT / "bench" / "results" / ("offpolicy_quick.json" if args.quick else "offpolicy.json")
+    )
     return args
 
 
@@ -709,11 +713,10 @@ def main() -> None:
         "cpu_s": own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime,
         "rows": rows,
     }
-    if not args.quick:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
-        plot(rows, [TASKS[n] for n in args.tasks], out.with_suffix(".png"), max(1, args.steps // 10))
-    print(f"sweep: {result['wall_s']:.0f}s" + ("" if args.quick else f"; {out} and {out.with_suffix('.png')}"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(rows, [TASKS[n] for n in args.tasks], out.with_suffix(".png"), max(1, args.steps // 10))
+    print(f"sweep: {result['wall_s']:.0f}s; {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 figures BENCHMARKS.md names (accuracy before and after, wall time) from the run's report.
 
     python bench/quickstart.py [--sync] [--from-summary runs/quickstart/report/summary.json]
+    python bench/quickstart.py --quick   # the code path: 6 steps after a 5-step warm start
 
 ``--sync`` also runs it at η = 0 (synchronous) for the side-by-side comparison;
 ``--from-summary`` rebuilds the result file from a finished run's report instead of running.
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# --quick: the recipe cut down to its code path (warm start, generation, training, evaluation)
+QUICK = ("--sft.steps", "5", "--train.total_steps", "6", "--train.checkpoint_every", "3", "--task.eval_prompts", "20")
 
 
 def run(run_dir: Path, *overrides: str) -> dict:
@@ -49,14 +52,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sync", action="store_true", help="also run at max_staleness 0")
     p.add_argument("--from-summary", default=None, help="a finished run's report/summary.json")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "quickstart.json"))
+    p.add_argument(
+        "--quick", action="store_true", help="the same run cut to 6 steps (the code path; its accuracy means nothing)"
+    )
+    p.add_argument("--out", default=None, help="(default bench/results/quickstart.json; quick: quickstart_quick.json)")
     args = p.parse_args()
+    # a quick look never overwrites the recorded full run
+    args.out = args.out or str(
+        ROOT / "bench" / "results" / ("quickstart_quick.json" if args.quick else "quickstart.json")
+    )
+    short = QUICK if args.quick else ()
     if args.from_summary:
         out = {"benchmark": "quickstart", **result(json.loads(Path(args.from_summary).read_text()))}
     else:
-        out = {"benchmark": "quickstart", **result(run(ROOT / "runs" / "bench-quickstart"))}
+        name = "bench-quickstart" + ("-quick" if args.quick else "")
+        out = {"benchmark": "quickstart", **result(run(ROOT / "runs" / name, *short))}
         if args.sync:
-            sync = run(ROOT / "runs" / "bench-quickstart-sync", "--async.max_staleness", "0")
+            sync = run(ROOT / "runs" / f"{name}-sync", *short, "--async.max_staleness", "0")
             out["sync"] = result(sync)
             out["async_vs_sync_wall"] = sync["wall_s"] / out["wall_s"]
     out = {"benchmark": "quickstart", "headline": headline(out), **out}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import shlex
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from typing import Any, Protocol
 from flywheel.config import AutoscaleConfig
 
 log = logging.getLogger(__name__)
+
+SILENCE_INTERVALS = 3  # intervals without the hub's metrics before the autoscaler says it cannot see them
 
 
 class Backend(Protocol):
@@ -109,15 +112,21 @@ class Autoscaler:
         self.history: list[tuple[float, int, str]] = []  # (time, replicas, why) of every change
         self._last: Signals | None = None
         self._last_change = -1e18
+        self._silent_since: float | None = None
+        self._said_silent = False
 
     def tick(self, now: float | None = None) -> Decision | None:
         """Look at the hub if an interval has passed; scale if the rules say so."""
         now = time.monotonic() if now is None else now
         if self._last is not None and now - self._last.t < self.cfg.interval_s:
             return None
+        if getattr(self.backend, "busy", False):
+            return None  # the last change is still being applied
         m = self.metrics()
-        if not m:
-            return None  # the hub is not answering: change nothing on no information
+        if not m:  # the hub is not answering: change nothing on no information, and say so
+            self._note_silence(now)
+            return None
+        self._silent_since = None
         signals = Signals.from_metrics(m, now)
         before, self._last = self._last, signals
         if before is None:
@@ -131,20 +140,53 @@ class Autoscaler:
             self.history.append((now, decision.target, decision.why))
         return decision
 
+    def _note_silence(self, now: float) -> None:
+        if self._silent_since is None:
+            self._silent_since, self._said_silent = now, False
+        elif not self._said_silent and now - self._silent_since >= SILENCE_INTERVALS * self.cfg.interval_s:
+            log.warning(
+                "autoscale: the hub's metrics have not answered for %.0fs, so the fleet is not scaled; where the "
+                "hub runs elsewhere (compose, Kubernetes), give generator.hub_address an address this host reaches "
+                "and open hub.metrics_port",
+                now - self._silent_since,
+            )
+            self._said_silent = True
+
 
 class CommandBackend:
     """The hook for deployments the launcher does not own: ``docker compose ... --scale
-    generator={replicas}``, ``kubectl scale deployment/generator --replicas={replicas}``."""
+    generator={replicas}``, ``kubectl scale deployment/generator --replicas={replicas}``.
+
+    The hook runs in a thread of its own: a slow one (an image pull, ``timeout_s`` at most) must
+    not hold the launcher's loop, which restarts dead services. While it runs, ``busy`` is true
+    and no other change is made; the count moves only when the hook succeeds."""
 
     def __init__(self, command: str, start: int, timeout_s: float = 600.0) -> None:
         self.command = command
         self.n = start
         self.timeout_s = timeout_s
+        self._hook: threading.Thread | None = None
 
     def replicas(self) -> int:
         return self.n
 
+    @property
+    def busy(self) -> bool:
+        return self._hook is not None and self._hook.is_alive()
+
     def scale_to(self, n: int) -> None:
+        if self.busy:
+            return
+        self._hook = threading.Thread(target=self._run, args=(n,), name="autoscale-hook", daemon=True)
+        self._hook.start()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait for a running hook; whether none runs any more."""
+        if self._hook is not None:
+            self._hook.join(timeout_s)
+        return not self.busy
+
+    def _run(self, n: int) -> None:
         # a plain replace, not str.format: a hook may hold braces of its own (JSON, ${VAR})
         command = self.command.replace("{replicas}", str(n))
         try:

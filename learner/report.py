@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -18,6 +19,8 @@ from flywheel.config import FlywheelConfig
 from flywheel.files import write_atomically
 
 log = logging.getLogger(__name__)
+
+WANDB_FINISH_TIMEOUT_S = 120.0
 
 
 class Reporter:
@@ -82,4 +85,14 @@ class Reporter:
         self.progress.stop()
         self.metrics_file.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            # online, finish uploads what is left: on a network in trouble that can take long, and
+            # the learner must still exit (the files stay in the run directory for `wandb sync`)
+            finisher = threading.Thread(target=self.wandb.finish, name="wandb-finish", daemon=True)
+            finisher.start()
+            finisher.join(WANDB_FINISH_TIMEOUT_S)
+            if finisher.is_alive():
+                log.warning(
+                    "wandb did not finish within %.0fs: its files are in %s (upload them with `wandb sync`)",
+                    WANDB_FINISH_TIMEOUT_S,
+                    getattr(self.wandb, "dir", "the run directory"),
+                )

@@ -266,15 +266,17 @@ class Trainer:
         reporter = self._reporter()
         try:
             self._loop(total, reporter)
+            # the checkpoint and the export before the reporter's close: wandb's finish may wait
+            # long on a network in trouble, and the weights must not wait behind it
+            if self.cfg.train.checkpoint_dir and self.saved_version != self.version:
+                # (never the same tag again: DeepSpeed would rewrite in place the files `latest` names,
+                # and a kill during that rewrite would leave no checkpoint to resume from)
+                self.save_checkpoint()
+            if self.cfg.train.export_dir:
+                self.export(Path(self.cfg.train.export_dir))
         finally:
             if hasattr(reporter, "close"):
                 reporter.close()  # wandb's files and the metrics file are complete even after an error
-        if self.cfg.train.checkpoint_dir and self.saved_version != self.version:
-            # (never the same tag again: DeepSpeed would rewrite in place the files `latest` names,
-            # and a kill during that rewrite would leave no checkpoint to resume from)
-            self.save_checkpoint()
-        if self.cfg.train.export_dir:
-            self.export(Path(self.cfg.train.export_dir))
 
     def _loop(self, total: int, reporter: Any) -> None:
         while self.version < (total := self._last_step(total)):

@@ -79,16 +79,50 @@ def test_the_command_backend_runs_the_deployment_hook(tmp_path) -> None:  # type
     out = tmp_path / "replicas"
     hook = CommandBackend(f"{sys.executable} -c \"open('{out}', 'w').write('{{replicas}}')\"", start=1)
     hook.scale_to(3)
-    assert out.read_text() == "3" and hook.replicas() == 3
+    assert hook.wait(30) and out.read_text() == "3" and hook.replicas() == 3
     failing = CommandBackend(f"{sys.executable} -c 'raise SystemExit(1)'", start=2)
     failing.scale_to(4)  # logged, and the count stays what the deployment has
-    assert failing.replicas() == 2
+    assert failing.wait(30) and failing.replicas() == 2
     for broken in (
         CommandBackend("/no/such/kubectl scale --replicas={replicas}", start=2),  # not installed
         CommandBackend(f"{sys.executable} -c 'import time; time.sleep(30)'", start=2, timeout_s=0.5),  # hangs
     ):
         broken.scale_to(4)  # logged as the failing one is: the run goes on
-        assert broken.replicas() == 2
+        assert broken.wait(30) and broken.replicas() == 2
+
+
+def test_a_slow_hook_does_not_hold_the_launchers_loop(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The hook ran inside the launcher's loop: one that took minutes (an image pull) left dead
+    services unrestarted that long. It now runs on its own, and no change is made while it does."""
+    import sys
+    import time
+
+    from flywheel.autoscale import CommandBackend
+
+    release = tmp_path / "release"
+    slow = f"{sys.executable} -c \"import os, time\nwhile not os.path.exists('{release}'): time.sleep(0.02)\""
+    backend = CommandBackend(slow, start=1)
+    m = {"ready_groups": 0.0, "active_leases": 8.0, "generator_capacity": 8.0, "admission_blocked_seconds": 0.0}
+    scaler = Autoscaler(CFG.model_copy(update={"interval_s": 1.0, "cooldown_s": 0.0}), backend, lambda: m, 4)
+    scaler.tick(now=0.0)
+    t0 = time.monotonic()
+    assert scaler.tick(now=1.0).target == 2  # type: ignore[union-attr]
+    assert time.monotonic() - t0 < 1.0 and backend.busy  # returned while the hook runs
+    assert scaler.tick(now=2.0) is None and backend.replicas() == 1  # no second change on top of it
+    release.touch()
+    assert backend.wait(30) and backend.replicas() == 2
+
+
+def test_a_hub_whose_metrics_never_answer_is_said(caplog) -> None:  # type: ignore[no-untyped-def]
+    """A compose hub's metrics read at `buffer:9400` from the Docker host: nothing answered and
+    the fleet was never scaled, in silence."""
+    backend = ServiceBackend(lambda i: i, lambda svc: None, [0])
+    scaler = Autoscaler(CFG.model_copy(update={"interval_s": 1.0}), backend, lambda: {}, groups_per_step=4)
+    with caplog.at_level("WARNING", logger="flywheel.autoscale"):
+        for t in range(6):
+            assert scaler.tick(now=float(t)) is None
+    said = [r.getMessage() for r in caplog.records if "have not answered" in r.getMessage()]
+    assert len(said) == 1 and "generator.hub_address" in said[0], said
 
 
 def test_a_hook_with_braces_of_its_own_or_a_bad_quote_does_not_end_the_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -100,10 +134,11 @@ def test_a_hook_with_braces_of_its_own_or_a_bad_quote_does_not_end_the_run(tmp_p
     write_arg = f"{sys.executable} -c \"import sys; open('{out}', 'w').write(sys.argv[1])\""
     kubectl_patch = CommandBackend(write_arg + ' \'{"spec": {"replicas": {replicas}}}\'', start=1)
     kubectl_patch.scale_to(5)  # str.format took the JSON's braces for fields: KeyError, the run ended
+    assert kubectl_patch.wait(30)
     assert out.read_text() == '{"spec": {"replicas": 5}}' and kubectl_patch.replicas() == 5
     unbalanced = CommandBackend("kubectl 'scale --replicas={replicas}", start=2)
     unbalanced.scale_to(3)  # shlex's ValueError: logged, as a failing hook is
-    assert unbalanced.replicas() == 2
+    assert unbalanced.wait(30) and unbalanced.replicas() == 2
 
 
 def test_a_fleet_scaled_to_zero_grows_back_when_the_learner_starves() -> None:

@@ -66,6 +66,12 @@ def test_the_gpu_override_gives_the_learner_and_the_generators_their_own_gpus() 
     assert devices["learner"]["device_ids"] == ["0"] and devices["generator"]["device_ids"] == ["1"]
     assert all(d["capabilities"] == ["gpu"] and d["driver"] == "nvidia" for d in devices.values())
     assert "flywheel-generator" in services["generator"]["command"]  # the base file's services, merged
+    # `up --build` with the override built the CPU image: GPUs reserved, torch on the CPU
+    flywheel = [name for name, svc in services.items() if svc.get("image") == "flywheel:latest"]
+    assert {name: services[name]["build"]["args"]["TARGET"] for name in flywheel} == dict.fromkeys(flywheel, "gpu")
+    # NCCL's shared memory needs more than Docker's 64 MB /dev/shm; replicas sharing a GPU need a share of it
+    assert all(services[name]["shm_size"] for name in flywheel)
+    assert "--generator.gpu_memory_utilization 0.85" in services["generator"]["command"]
 
 
 def test_generators_get_the_time_to_drain_on_a_stop_or_scale_down() -> None:
