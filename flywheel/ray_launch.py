@@ -173,7 +173,13 @@ class RayLaunch(LocalLaunch):
         node_of = placement_group_table(self.pg)["bundles_to_node_id"]
         address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
         self.node_ip = {role: address[node_of[i]] for i, role in enumerate(self.roles)}
-        self.spread = len(set(self.node_ip.values())) > 1
+        # Loopback only when every service runs on this very node: on a remote cluster whose one
+        # worker holds them all, this launcher (which reads the hub's metrics, and hands out the
+        # Redis URL) is elsewhere; and the autoscaler's generators land wherever Ray puts them.
+        here = ray.get_runtime_context().get_node_id()
+        alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+        self.spread = set(node_of.values()) != {here} or (cfg.autoscale.enabled and alive > 1)
+        self._say_unpinned_gpus()
         self.console.print(
             f"ray: placement group of {len(bundles)} bundles on {len(set(self.node_ip.values()))} node(s)"
         )
@@ -187,6 +193,22 @@ class RayLaunch(LocalLaunch):
                 self.console.print(
                     "[yellow]ray: Redis listens on every interface with no password: set --redis.password_file"
                 )
+
+    def _say_unpinned_gpus(self) -> None:
+        """Ray gives an actor that asks for no GPU no CUDA_VISIBLE_DEVICES: it sees every GPU of its
+        node, so a learner and generators reserving none all land on cuda:0 together."""
+        gpus = ray.cluster_resources().get("GPU", 0)
+        la = self.cfg.launch
+        unpinned = [
+            key
+            for key, n in (("gpus_per_learner", la.gpus_per_learner), ("gpus_per_generator", la.gpus_per_generator))
+            if not n
+        ]
+        if gpus and unpinned:
+            self.console.print(
+                f"[yellow]ray: the cluster has {gpus:g} GPUs but launch.{' and launch.'.join(unpinned)} is 0: those "
+                "services reserve none and see every GPU of their node (all on cuda:0); set them (1 each, or more)"
+            )
 
     def _spare_generators(self) -> int:
         return 0  # a spare waits for a file the launcher writes on its own machine
@@ -240,7 +262,11 @@ class RayLaunch(LocalLaunch):
     def _stop_redis(self) -> None:
         actor = getattr(self, "_redis_actor", None)
         if actor is not None:
-            ray.get(actor.stop.remote(), timeout=CALL_TIMEOUT_S)
+            try:
+                ray.get(actor.stop.remote(), timeout=CALL_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+                # its node gone, or hung: the stop goes on to the report, not out as a traceback
+                self.console.print(f"[yellow]ray: the Redis actor did not stop cleanly: {err}")
             ray.kill(actor)
 
     def _service(self, name: str, module: str, *args: str, env: dict[str, str] | None = None) -> ServiceHandle:
@@ -249,8 +275,10 @@ class RayLaunch(LocalLaunch):
         if name.startswith("generator") and name not in self.roles:  # added by the autoscaler
             options: dict[str, Any] = {"num_cpus": la.cpus_per_service, "num_gpus": la.gpus_per_generator}
             where = "a node Ray picks"
-        else:  # a service reserves its bundle's share; the warm start and evaluations borrow the learner's
-            options = {"scheduling_strategy": self._strategy(name), "num_gpus": self.gpus.get(name, 0)}
+        else:  # a service reserves its bundle's share; the warm start and evaluations take the learner's
+            # (they run while it does not): with none they saw every GPU of the node, a generator's too
+            role = self.roles[self._bundle(name)]
+            options = {"scheduling_strategy": self._strategy(name), "num_gpus": self.gpus[role]}
             where = self.node_ip[self.roles[self._bundle(name)]]
         actor = _ServiceActor.options(name=actor_name, **options).remote(
             name, module, list(args), str(self.logs), {**self._env(), **(env or {})}

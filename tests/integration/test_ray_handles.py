@@ -35,3 +35,26 @@ def test_a_busy_service_actor_reads_as_running_and_is_still_stopped(
         assert time.monotonic() - started < 15
     finally:
         ray.shutdown()
+
+
+def test_a_redis_actor_lost_with_its_node_does_not_end_the_stop_in_a_traceback(tmp_path: Path) -> None:
+    """The launcher's stop asked the Redis actor to stop with a bare ray.get: an actor gone with
+    its node raised RayActorError out of the stop, and the run's report was never written."""
+    import ray
+    from rich.console import Console
+
+    from flywheel import ray_launch
+
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        actor = ray_launch._RedisActor.remote(str(tmp_path / "redis"), "127.0.0.1", "everysec", 64, None, None)
+        ray.get(actor.port.remote(), timeout=60)
+        ray.kill(actor)  # as its node's loss would
+        launch = object.__new__(ray_launch.RayLaunch)  # only what _stop_redis reads
+        launch.console = Console(file=(tmp_path / "console.txt").open("w"))
+        launch._redis_actor = actor
+        launch._stop_redis()
+        launch.console.file.close()
+        assert "the Redis actor did not stop cleanly" in (tmp_path / "console.txt").read_text()
+    finally:
+        ray.shutdown()
