@@ -422,6 +422,13 @@ class RewardModelConfig(_Section):
     state_file: str | None = Field(None, description="JSON file the server writes its bound port to once ready.")
     max_batch: int = Field(64, ge=1, le=65536, description="Most sequences in one forward pass.")
     batch_wait_ms: float = Field(5.0, ge=0, le=10000, description="How long a forward waits to fill its batch.")
+    request_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=86400,
+        description="A /score request not answered by then gets HTTP 503 (a hung forward pass must not hold its "
+        "callers for good); /health then reports the server stalled.",
+    )
     max_length: int = Field(2048, ge=8, description="Longer prompt + completion texts are truncated (from the left).")
     chat_template: bool = Field(
         False, description="Format (prompt, completion) as a user/assistant chat with the tokenizer's template."

@@ -98,6 +98,7 @@ class Batcher:
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self.forwards = 0
         self.sequences = 0
+        self.last_forward_end = 0.0  # time.monotonic() of the last forward pass's end
 
     async def score(self, texts: list[str]) -> list[float]:
         future: asyncio.Future[list[float]] = asyncio.get_running_loop().create_future()
@@ -123,6 +124,7 @@ class Batcher:
                 for i in range(0, len(texts), self.max_batch):
                     scores += await loop.run_in_executor(None, self.model.score, texts[i : i + self.max_batch])
                     self.forwards += 1
+                    self.last_forward_end = time.monotonic()
             except Exception as err:  # answered to every waiting request; the server goes on
                 for p in batch:
                     if not p.future.done():
@@ -144,6 +146,8 @@ def build_app(model: RewardModel, cfg: RewardModelConfig, rejected: Counter[str]
     rejected = Counter() if rejected is None else rejected
 
     batcher = Batcher(model, cfg.max_batch, cfg.batch_wait_ms / 1000)
+    batcher_task: list[asyncio.Task[None]] = []  # set when the app starts
+    stalled: list[float] = []  # when requests timed out (the last one matters)
 
     async def score(request: web.Request) -> web.Response:
         try:
@@ -157,25 +161,39 @@ def build_app(model: RewardModel, cfg: RewardModelConfig, rejected: Counter[str]
             return web.json_response({"error": f"bad request: {err}"}, status=400)
         except ConnectionError:  # the body ended before its Content-Length
             return web.json_response({"error": "bad request: incomplete body"}, status=400)
-        rewards = await batcher.score(model.texts(prompts, completions))
+        try:
+            rewards = await asyncio.wait_for(batcher.score(model.texts(prompts, completions)), cfg.request_timeout_s)
+        except TimeoutError:
+            stalled.append(time.monotonic())
+            return web.json_response(
+                {"error": f"not scored within rm.request_timeout_s {cfg.request_timeout_s:g}s"}, status=503
+            )
         return web.json_response({"rewards": rewards})
 
     async def health(_: web.Request) -> web.Response:
+        # not ok when the batcher died (nothing would ever be scored) or a request timed out since
+        # the last forward pass finished (a hung forward): a load balancer then takes it out
+        problem = None
+        if batcher_task and batcher_task[0].done():
+            problem = "the batcher stopped"
+        elif stalled and stalled[-1] > batcher.last_forward_end:
+            problem = f"a request waited over rm.request_timeout_s {cfg.request_timeout_s:g}s"
         return web.json_response(
             {
-                "status": "ok",
+                "status": "ok" if problem is None else f"error: {problem}",
                 "model": cfg.model,
                 "device": str(model.device),
                 "forwards": batcher.forwards,
                 "sequences": batcher.sequences,
                 "rejected": dict(rejected),
-            }
+            },
+            status=200 if problem is None else 503,
         )
 
     async def start_batcher(app: web.Application) -> Any:
-        task = asyncio.create_task(batcher.run())
+        batcher_task.append(asyncio.create_task(batcher.run()))
         yield
-        task.cancel()
+        batcher_task[0].cancel()
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/score", score)

@@ -1,0 +1,74 @@
+"""The reward-model server's HTTP app (``reward_service.rm_server.build_app``) when a forward pass
+hangs: its callers get an answer in bounded time and /health says so."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from flywheel.config import RewardModelConfig
+from reward_service.rm_server import build_app
+
+
+class HangingModel:
+    """In place of ``RewardModel``: scores by length once ``release`` is set: a forward pass hung on its device until then (the
+    fault under test; the HTTP side and the batcher are the real ones)."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def texts(self, prompts: list[str], completions: list[str]) -> list[str]:
+        return [p + c for p, c in zip(prompts, completions, strict=True)]
+
+    def score(self, texts: list[str]) -> list[float]:
+        assert self.release.wait(30), "never released"
+        return [float(len(t)) for t in texts]
+
+
+def test_a_hung_forward_pass_answers_503_in_bounded_time_and_health_says_so() -> None:
+    """`await future` had no limit: a hung forward held every /score caller for good while /health
+    said "ok"."""
+    model = HangingModel()
+    cfg = RewardModelConfig(model="hanging", request_timeout_s=0.5, batch_wait_ms=1)
+
+    async def scenario() -> None:
+        app = build_app(model, cfg)  # type: ignore[arg-type]
+        async with TestClient(TestServer(app)) as client:
+            body = {"prompts": ["a"], "completions": ["bc"]}
+            resp = await asyncio.wait_for(client.post("/score", json=body), 10)
+            assert resp.status == 503 and "rm.request_timeout_s" in (await resp.json())["error"]
+            health = await client.get("/health")
+            assert health.status == 503 and "waited over" in (await health.json())["status"]
+            model.release.set()  # the device answers again
+            resp = await asyncio.wait_for(client.post("/score", json=body), 10)
+            assert resp.status == 200 and (await resp.json())["rewards"] == [3.0]
+            health = await client.get("/health")
+            assert health.status == 200 and (await health.json())["status"] == "ok"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        model.release.set()
+
+
+def test_health_says_when_the_batcher_is_gone() -> None:
+    model = HangingModel()
+    model.release.set()
+    cfg = RewardModelConfig(model="m", batch_wait_ms=1)
+
+    async def scenario() -> None:
+        app = build_app(model, cfg)  # type: ignore[arg-type]
+        async with TestClient(TestServer(app)) as client:
+            assert (await client.get("/health")).status == 200
+            for task in asyncio.all_tasks():
+                if task.get_coro().__qualname__.startswith("Batcher.run"):  # type: ignore[union-attr]
+                    task.cancel()
+            await asyncio.sleep(0.05)
+            health = await client.get("/health")
+            assert health.status == 503 and "the batcher stopped" in (await health.json())["status"]
+
+    asyncio.run(scenario())
