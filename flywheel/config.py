@@ -489,6 +489,14 @@ class GeneratorConfig(_Section):
     drain_timeout_s: float = Field(
         60.0, ge=0, le=86400, description="On SIGTERM: finish held leases for at most this long, then return the rest."
     )
+    stall_timeout_s: float = Field(
+        300.0,
+        ge=0,
+        le=86400,
+        description="The engine giving no token for this long while requests are in flight and no weight update "
+        "pauses it (a wedged engine): the generator exits, for the launcher to restart, instead of holding its "
+        "leases with live heartbeats. 0: never.",
+    )
     max_weight_bytes: int = Field(
         1 << 40, ge=1, description="Refuse a WeightsReady whose layout is larger than this (guards allocations)."
     )

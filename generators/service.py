@@ -120,6 +120,7 @@ class GeneratorService:
         self._resumed.set()
         self._interrupts = 0  # bumped by every interrupt-policy update: aborts it caused are resubmitted
         self._deltas = 0  # token deltas consumed so far; an update waits until this stops moving
+        self._progress = (time.monotonic(), 0)  # when _deltas last moved (or the engine last had cause to wait)
         self._draining_since: float | None = None
         self._failure: BaseException | None = None
         # Weight updates run as a task so the loop keeps heartbeating (and streaming) meanwhile.
@@ -170,6 +171,28 @@ class GeneratorService:
         self.link.heartbeat()
         if self.sync is not None:
             self.sync.join(self.version, self.gcfg.heartbeat_s, needs_weights=not self.weights_valid)
+        self._check_engine_progress()
+
+    def _check_engine_progress(self) -> None:
+        """A wedged engine (a hung kernel, a frozen engine process) gives no token while this loop
+        heartbeats on, so the hub extends every lease held for good: fail instead, and the
+        launcher's restart gives the leases back. Pauses for weight updates are no stall."""
+        now, (since, deltas) = time.monotonic(), self._progress
+        updating = not self._resumed.is_set() or (self._update_task is not None and not self._update_task.done())
+        if self._deltas != deltas or updating or not self._requests_in_flight():
+            self._progress = (now, self._deltas)
+            return
+        limit = self.gcfg.stall_timeout_s
+        if limit and now - since > limit and self._failure is None:
+            self._failure = RuntimeError(
+                f"the engine gave no token for {now - since:.0f}s with {self._requests_in_flight()} requests in "
+                "flight and no weight update under way (generator.stall_timeout_s): it is wedged; exiting for a restart"
+            )
+
+    def _requests_in_flight(self) -> int:
+        return sum(
+            1 for runs in self.samples.values() for run in runs.values() if run.task is not None and not run.task.done()
+        )
 
     async def _shutdown(self) -> None:
         held = list(self.samples)

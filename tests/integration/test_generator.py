@@ -285,3 +285,41 @@ def wait_for_ack(wb: WeightBroadcaster, gen_id: str, timeout_s: float):  # type:
         if ack is not None:
             return ack
     raise AssertionError(f"no WeightsAck from {gen_id} within {timeout_s}s")
+
+
+def engine_core(generator_pid: int):  # type: ignore[no-untyped-def]
+    """The vLLM engine-core process under a generator (it runs the model; the generator's own
+    process streams its outputs)."""
+    import psutil
+
+    for child in psutil.Process(generator_pid).children(recursive=True):
+        try:
+            if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no engine-core process under {generator_pid}")
+
+
+def test_a_wedged_engine_fails_the_generator_instead_of_holding_its_leases(
+    cluster: Cluster, checkpoint_dir: Path, broadcaster: WeightBroadcaster
+) -> None:
+    """An engine that gives no token (here its process frozen with SIGSTOP, as a hung kernel
+    would leave it) while the generator's loop heartbeats on: the hub extended every lease it
+    held for good, and admission stayed short of them. The generator now exits for a restart."""
+    start_hub(cluster, "--rollout.max_tokens", "300")
+    gen = cluster.start_generator(
+        "g0", checkpoint_dir, sync_ports(broadcaster), "--generator.stall_timeout_s", "5", "--generator.capacity", "2"
+    )
+    wait_until(lambda: tokens_in_flight(cluster), 120, "tokens streaming")
+    core = engine_core(gen.pid)
+    core.suspend()
+    try:
+        wait_until(lambda: not gen.alive(), 60, "the generator's exit")
+        assert gen.returncode not in (0, None)
+        assert "the engine gave no token for" in gen.log_path.read_text()
+    finally:
+        try:
+            core.kill()
+        except Exception:  # gone with its generator
+            pass
