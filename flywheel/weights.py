@@ -193,15 +193,48 @@ class WeightGroup:
     op_timeout_s: float = 600.0  # how long one broadcast may take before the group is given up
     send_buffers: list[torch.Tensor] = field(default_factory=list)  # rank 0: two, reused every sync
     recv_pool: list[torch.Tensor] = field(default_factory=list)  # receivers: buffers no one references any more
+    connected: bool = False  # whether the backend's links are up (gloo: at construction; NCCL: first broadcast)
 
     def start(self, buf: torch.Tensor) -> Any:
         """Post a broadcast from rank 0 into ``buf``; returns the work to ``finish``."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         try:
-            return self.pg.broadcast([buf], opts)
+            if self.connected:
+                return self.pg.broadcast([buf], opts)
+            return self._first_broadcast(buf, opts)
         except RuntimeError as err:
             raise WeightSyncError(f"broadcast failed (rank {self.rank}/{self.world_size}): {err}") from err
+
+    def _first_broadcast(self, buf: torch.Tensor, opts: Any) -> Any:
+        """NCCL sets its communicator up inside the group's first collective, in a call that waits
+        for every rank with no timeout: a rank that passed the barrier but never came this far (out
+        of memory for its buffer, killed) hung this one for good, past every deadline of the
+        sync. So the first one is posted from a thread and given ``op_timeout_s``; if it does not
+        return, the group is given up (the thread stays behind, blocked, holding nothing else)."""
+        posted: dict[str, Any] = {}
+
+        def post() -> None:
+            try:
+                if buf.device.type == "cuda":
+                    torch.cuda.set_device(buf.device)  # the current device is per thread
+                posted["work"] = self.pg.broadcast([buf], opts)
+            except BaseException as err:  # handed to the caller's thread
+                posted["error"] = err
+
+        poster = threading.Thread(target=post, name="weights-first-broadcast", daemon=True)
+        poster.start()
+        poster.join(self.op_timeout_s)
+        if poster.is_alive():
+            self.close()
+            raise WeightSyncError(
+                f"the group's links were not up within {self.op_timeout_s:g}s (rank {self.rank}/{self.world_size}): "
+                "a rank that joined never came to the first broadcast; the group is given up"
+            )
+        if "error" in posted:
+            raise posted["error"]
+        self.connected = True
+        return posted["work"]
 
     def finish(self, work: Any) -> None:
         """Wait for a posted broadcast, at most ``op_timeout_s``.
@@ -326,6 +359,7 @@ def join_group(
         torch.device(device),
         store if rank == 0 else None,
         op_timeout_s=max(timeout_s, 0.1),
+        connected=backend == "gloo",  # gloo connects every pair while the group is built
     )
 
 
@@ -341,7 +375,8 @@ def _local_address(host: str, port: int) -> str:
 def _all_joined(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
     """A barrier on the rendezvous store before the group is built: NCCL builds its communicator
     at the first broadcast, in a call that waits for every rank with no timeout at all, so a rank
-    that never came (dead, or its announcement lost) would hang rank 0 for good.
+    that never came (dead, or its announcement lost) would hang rank 0 for good (one that passes
+    the barrier and dies before the first broadcast is ``WeightGroup._first_broadcast``'s).
 
     Each rank also leaves its own mark, so that rank 0, when the wait runs out, can name the ranks
     that never came (``RanksMissing``)."""

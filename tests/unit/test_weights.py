@@ -215,6 +215,43 @@ def test_closing_an_nccl_group_aborts_it_without_waiting_for_peers(monkeypatch: 
     assert time.monotonic() - start < 5
 
 
+def test_an_nccl_first_broadcast_that_never_returns_gives_the_group_up_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL sets its communicator up inside the first broadcast, waiting with no timeout for every
+    rank: one that passed the barrier and then died hung the learner for good. The first
+    broadcast now runs on a thread given the sync's deadline (tests/gpu runs it on real NCCL)."""
+    import threading
+
+    from flywheel import weights
+
+    released = threading.Event()
+
+    class ProcessGroupNCCL:
+        def __init__(self, blocks: bool) -> None:
+            self.blocks, self.calls = blocks, []
+
+        def broadcast(self, tensors: list[torch.Tensor], opts: object) -> str:
+            self.calls.append("broadcast")
+            if self.blocks:
+                released.wait(30)  # the communicator's setup, waiting for a rank that never comes
+            return "work"
+
+        def abort(self) -> None:
+            self.calls.append("abort")
+
+    monkeypatch.setattr(weights, "CLOSE_TIMEOUT_S", 0.2)
+    stuck = ProcessGroupNCCL(blocks=True)
+    group = weights.WeightGroup(stuck, 0, 2, 1, torch.device("cpu"), op_timeout_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(weights.WeightSyncError, match="a rank that joined never came to the first broadcast"):
+        group.start(torch.zeros(8, dtype=torch.uint8))
+    released.set()
+    assert time.monotonic() - start < 5 and stuck.calls == ["broadcast", "abort"]
+    fine = ProcessGroupNCCL(blocks=False)
+    group = weights.WeightGroup(fine, 0, 2, 1, torch.device("cpu"), op_timeout_s=0.3)
+    assert group.start(torch.zeros(8, dtype=torch.uint8)) == "work" and group.connected
+    assert group.start(torch.zeros(8, dtype=torch.uint8)) == "work"  # then posted directly
+
+
 def test_an_overlapped_sync_reports_from_its_thread_and_hands_failures_to_the_loop() -> None:
     from flywheel.config import SyncConfig
     from flywheel.redis_server import free_port
