@@ -3,8 +3,11 @@ batches shaped like RL rollouts (groups of samples with long-tailed response len
 unpacked (padded) micro-batches in the same run.
 
 On CPU (``--quick`` or default) it reports tokens/s; on a GPU (``--gpu``) a ~0.9B Llama in bf16
-and the model FLOPs utilisation: 6 x parameters x trained tokens per second over the GPU's peak
-(989 TFLOP/s dense bf16 for an H200). The batch source is synthetic so the figure is the learner's
+and the model FLOPs utilisation: the model's FLOPs per second over the GPU's peak (989 TFLOP/s
+dense bf16 for an H200). The FLOPs of a step are ``model_flops``: 6 x the parameters that
+multiply (not the input embedding, a lookup) x trained tokens, plus causal attention's
+6 x layers x hidden x the sum of each sequence's length squared (``--from-results`` recounts a
+recorded run's rows so; they were 6 x every parameter x tokens before, about 1% higher here). The batch source is synthetic so the figure is the learner's
 own (no hub wait); the off-policy correction is ``none`` for the MFU rows (no proximal forward)
 and ``decoupled`` in one more row, whose extra no-grad forward is not counted as useful work.
 On the GPU the first row is the old path (full-vocabulary fp32 log-softmax, eager layers, flex
@@ -24,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -58,6 +62,22 @@ def synthetic_batch(groups: int, n: int, prompt_len: int, median: int, cap: int,
     return Batch(0, out, 0, 0.0, [0] * groups)
 
 
+def model_flops(config: Any, params: int, batches: list[Any]) -> float:
+    """Useful FLOPs of training on ``batches`` (forward and backward; recomputation is not useful):
+    6 x multiplying parameters x tokens, plus causal attention (QK^T and AV over each sequence's
+    earlier positions) 6 x layers x hidden x sum(T^2), every sample its own sequence."""
+    embed = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size  # a lookup
+    tokens = lengths_sq = 0
+    for b in batches:
+        for g in b.groups:
+            for smp in g.samples:
+                t = len(g.prompt_tokens) + len(smp.tokens)
+                tokens, lengths_sq = tokens + t, lengths_sq + t * t
+    dense = 6 * (params - embed) * tokens
+    attention = 6 * config.num_hidden_layers * config.hidden_size * lengths_sq
+    return float(dense + attention)
+
+
 def measure(
     model_dir: Path,
     packing: bool,
@@ -90,6 +110,7 @@ def measure(
     if not compiled:  # eager decoder layers (the baseline)
         trainer.compile_regions = False
     params = sum(p.numel() for p in trainer.engine.module.parameters())
+    model_config = trainer.engine.module.config
     import torch
     from torch._dynamo.utils import counters
 
@@ -142,9 +163,38 @@ def measure(
         "graphs_compiled_while_timed": counters["stats"]["unique_graphs"] - graphs,  # 0: no compile in the timing
     }
     if gpu:
-        row["mfu"] = 6 * params * tps / H200_PEAK_BF16
+        row["mfu"] = model_flops(model_config, params, batches) / seconds / H200_PEAK_BF16
         row["peak_memory_gib"] = row_peak
     return row
+
+
+def gpu_headline(rows: list[dict[str, Any]]) -> dict[str, float]:
+    return {
+        "gpu_mfu": max(r["mfu"] for r in rows if r["packing"] and r["correction"] == "none"),
+        "gpu_mfu_old_path": rows[0]["mfu"],
+    }
+
+
+def recount(path: Path) -> int:
+    """A recorded GPU run's MFU, counted again by ``model_flops``: its batches are rebuilt from
+    their seeds (checked against the recorded token count) and its times are kept."""
+    from flywheel.tiny import model_config
+
+    result = json.loads(path.read_text())
+    c = result["config"]
+    config = model_config("llama", "1b", vocab_size=c["vocab"])  # what --gpu trains
+    batches = [synthetic_batch(c["groups"], 8, 64, c["median"], c["cap"], c["vocab"], s) for s in range(c["steps"])]
+    for r in result["rows"]:
+        tokens = sum(len(g.prompt_tokens) + len(smp.tokens) for b in batches for g in b.groups for smp in g.samples)
+        assert tokens == r["tokens"], f"rebuilt batches hold {tokens} tokens, the row {r['tokens']}"
+        if "mfu" in r:
+            r.setdefault("mfu_6n", r["mfu"])  # the earlier count: 6 x every parameter x tokens
+            r["mfu"] = model_flops(config, r["params"], batches) / r["seconds"] / H200_PEAK_BF16
+    result["headline"].update(gpu_headline(result["rows"]))
+    result["mfu_count"] = "model_flops (bench/learner.py); mfu_6n: 6 x every parameter x tokens, the earlier count"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["headline"]))
+    return 0
 
 
 def main() -> int:
@@ -152,7 +202,14 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="under a minute: the tiny model, packed and padded, 2 steps")
     p.add_argument("--gpu", action="store_true", help="~0.9B model in bf16 on the GPU, with MFU")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--from-results",
+        default=None,
+        help="run nothing: recount the MFU of a recorded --gpu run's rows with model_flops (same batches, same times)",
+    )
     args = p.parse_args()
+    if args.from_results:
+        return recount(Path(args.from_results))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from flywheel.redis_server import free_port
     from flywheel.tiny import build_checkpoint
@@ -214,8 +271,7 @@ def main() -> int:
         )
     headline = {"packing_speedup": packed["tokens_per_s"] / padded["tokens_per_s"]}
     if args.gpu:
-        headline["gpu_mfu"] = max(r["mfu"] for r in rows if r["packing"] and r["correction"] == "none")
-        headline["gpu_mfu_old_path"] = rows[0]["mfu"]
+        headline.update(gpu_headline(rows))
     else:
         headline["cpu_tokens_per_s"] = packed["tokens_per_s"]
     result = {
@@ -224,6 +280,7 @@ def main() -> int:
         "config": {"mode": "gpu" if args.gpu else ("quick" if args.quick else "full"), **batch_args, "steps": steps, "zero_stage": 2,
                    "dtype": "bf16" if args.gpu else "fp32"},
         "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(0) if args.gpu else None, "cpus": os.cpu_count()},
+        "mfu_count": "model_flops (bench/learner.py)",
     }  # fmt: skip
     name = "learner_gpu" if args.gpu else "learner"
     out = Path(
