@@ -23,7 +23,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from flywheel.config import FlywheelConfig
-from flywheel.launcher import LocalLaunch
+from flywheel.launcher import LocalLaunch, ServiceFailed
 from flywheel.netsec import redis_password
 from flywheel.procs import Service, ServiceHandle, wait_for_state_file
 from flywheel.redis_server import RedisServer
@@ -292,9 +292,13 @@ class RayLaunch(LocalLaunch):
     def _read_state(self, svc: ServiceHandle, path: Path) -> dict[str, int]:
         assert isinstance(svc, RayService)
         timeout = self.cfg.launch.ready_timeout_s
-        state: dict[str, int] = ray.get(
-            svc.actor.read_state.remote(str(path), timeout), timeout=timeout + CALL_TIMEOUT_S
-        )
+        try:
+            state: dict[str, int] = ray.get(
+                svc.actor.read_state.remote(str(path), timeout), timeout=timeout + CALL_TIMEOUT_S
+            )
+        except ray.exceptions.RayTaskError as err:  # it died before listening: said as the local launcher says it
+            why = getattr(err, "cause", None) or err
+            raise ServiceFailed(svc, f"exited with code {svc.returncode} before listening ({why})") from None
         return state
 
     def _host(self, role: str) -> str:

@@ -58,3 +58,25 @@ def test_a_redis_actor_lost_with_its_node_does_not_end_the_stop_in_a_traceback(t
         assert "the Redis actor did not stop cleanly" in (tmp_path / "console.txt").read_text()
     finally:
         ray.shutdown()
+
+
+def test_a_service_that_dies_before_listening_fails_the_run_with_its_reason(tmp_path: Path) -> None:
+    """On Ray, a hub that exited before it wrote its ports (an empty dataset, say) came out of
+    `flywheel run` as a RayTaskError traceback; the local launcher names the service, its exit
+    code and its log's tail (ServiceFailed), and so does this one now."""
+    import ray
+
+    from flywheel import ray_launch
+    from flywheel.config import load_config
+    from flywheel.launcher import ServiceFailed
+
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        actor = ray_launch._ServiceActor.remote("hub", "json.tool", [str(tmp_path / "missing.json")], str(tmp_path), {})
+        handle = ray_launch.RayService("hub", actor, tmp_path / "hub.log")
+        launch = object.__new__(ray_launch.RayLaunch)  # only what _read_state reads
+        launch.cfg = load_config(["--launch.ready_timeout_s", "60"])
+        with pytest.raises(ServiceFailed, match="before listening"):
+            launch._read_state(handle, tmp_path / "hub.state.json")
+    finally:
+        ray.shutdown()
