@@ -184,6 +184,7 @@ def _sync_receiver(port: int, plans: list[bytes], flat_bytes: int, repeats: int)
 
     group = join_group("gloo", "127.0.0.1", port, 1, 2, 1, 120)
     flat = torch.empty(flat_bytes, dtype=torch.uint8)
+    tiny = torch.empty(1, dtype=torch.uint8)
     for raw in plans:
         ready = Decoder(WeightsReady).decode(raw)
         assert isinstance(ready, WeightsReady)
@@ -191,7 +192,9 @@ def _sync_receiver(port: int, plans: list[bytes], flat_bytes: int, repeats: int)
             pass
         group.broadcast(flat)
         for _ in range(repeats):
+            group.broadcast(tiny)  # both sides start each timed transfer together
             group.broadcast(flat)  # raw baseline
+            group.broadcast(tiny)
             for _name, _t in receive(group, ready):
                 pass  # views of the received bucket; loading them is phase D's business
     group.close()
@@ -232,6 +235,7 @@ def run_sync(model_dir: Path, bucket_mbs: list[float], repeats: int) -> list[dic
     proc.start()
     group = join_group("gloo", "127.0.0.1", store.port, 0, 2, 1, 120, store=store)
     flat = torch.zeros(total, dtype=torch.uint8)
+    tiny = torch.zeros(1, dtype=torch.uint8)
     rows = []
     pooled_raw: list[float] = []
     for mb, buckets in plans:
@@ -239,9 +243,14 @@ def run_sync(model_dir: Path, bucket_mbs: list[float], repeats: int) -> list[dic
         send(group, buckets, tensors)  # warm-up: allocates (and faults in) the reusable buffers
         group.broadcast(flat)
         for _ in range(repeats):
+            # a one-byte broadcast first: the timed transfer then starts with the receiver waiting
+            # for it, whatever it was still doing after the last one (which otherwise fell into
+            # the next row's time: the raw one's, after a bucketed receive)
+            group.broadcast(tiny)
             t0 = time.perf_counter()
             group.broadcast(flat)
             raw_s.append(time.perf_counter() - t0)
+            group.broadcast(tiny)
             t0 = time.perf_counter()
             send(group, buckets, tensors)
             bucketed_s.append(time.perf_counter() - t0)

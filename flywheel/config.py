@@ -526,7 +526,12 @@ class SyncConfig(_Section):
         "auto", description="Process-group backend of the broadcast; auto: nccl when CUDA is available, else gloo."
     )
     bucket_mb: float = Field(
-        512.0, gt=0, le=1 << 20, description="Parameters are broadcast in flat buckets of about this many MiB."
+        256.0,
+        gt=0,
+        le=1 << 20,
+        description="Parameters are broadcast in flat buckets of about this many MiB (two buffers of it on each "
+        "side). 256 measured best over 0.5B-7B on 2xH200 (bench/weight_sync_gpu.py): fewer, bigger buckets cannot "
+        "overlap packing with the transfer.",
     )
     timeout_s: float = Field(
         60.0,
@@ -569,6 +574,11 @@ class OffPolicyConfig(_Section):
         "around the behaviour policy.",
     )
     is_cap: float = Field(2.0, ge=1.0, le=1000, description="Truncation of the behaviour importance weight.")
+    cap_mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="A behaviour weight above is_cap: truncate counts it as is_cap (truncated importance sampling); "
+        "mask gives its token no gradient (AReaL's decoupled PPO, which drops such tokens).",
+    )
 
 
 class LossConfig(_Section):
@@ -989,6 +999,17 @@ class FlywheelConfig(_Section):
             raise ValueError(
                 f"task.name {self.task.name} writes raw-text prompts, which its warm start and evaluation use as they "
                 "are: drop --data.apply_chat_template (or train on your own data.path with task.name none)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_ratios_average_over_sequences(self) -> FlywheelConfig:
+        loss = self.algo.loss
+        if loss.ratio_level == "sequence" and loss.aggregation != "seq_mean_token_mean":
+            raise ValueError(
+                f"algo.loss.ratio_level sequence (GSPO) averages over sequences, but algo.loss.aggregation is "
+                f"{loss.aggregation}, which weighs each sequence by its length: add --algo.loss.aggregation "
+                "seq_mean_token_mean"
             )
         return self
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable
@@ -286,7 +287,7 @@ class GeneratorService:
                     completion = out.outputs[0]
                     ids = list(completion.token_ids)
                     if ids:
-                        lps = [max(MIN_LOGPROB, min(0.0, completion.logprobs[i][t].logprob)) for i, t in enumerate(ids)]
+                        lps = [_behaviour_logprob(completion.logprobs[i][t].logprob) for i, t in enumerate(ids)]
                         run.add(ids, lps, self.version)
                         self.tokens_generated += len(ids)
                         self._deltas += 1
@@ -445,6 +446,15 @@ class GeneratorService:
 
 
 @functools.cache
+def _behaviour_logprob(lp: float) -> float:
+    """vLLM's log-probability of a sampled token, as the wire carries it: -inf (and a NaN, which
+    min() read as 0.0, probability 1) becomes the floor the learner reads as "no probability"
+    (its loss gives such a token no gradient); above 0 (rounding) is 0."""
+    if math.isnan(lp):
+        return MIN_LOGPROB
+    return max(MIN_LOGPROB, min(0.0, lp))
+
+
 def _request_errors() -> tuple[type[BaseException], ...]:
     """What vLLM raises for one request's bad input (a token id outside the vocabulary, a prompt
     too long), as against a failed engine (``EngineDeadError``): the first ends that request."""

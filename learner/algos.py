@@ -47,23 +47,33 @@ def token_rewards(
     return out
 
 
-def group_advantages(rewards_GN: torch.Tensor, estimator: str, eps: float = 1e-6) -> torch.Tensor:
-    """Outcome advantages from each group's rewards (one value per sample)."""
+def group_advantages(
+    rewards_GN: torch.Tensor, estimator: str, eps: float = 1e-6, valid_GN: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Outcome advantages from each group's rewards (one value per sample).
+
+    ``valid_GN`` (False: a sample the engine aborted, whose reward scores a partial answer)
+    leaves samples out of their group's statistics, and gives them 0; a group with fewer than two
+    valid samples gets 0 throughout."""
     r = rewards_GN.float()
     if r.shape[1] < 2:  # the std of one sample is NaN, and every baseline is the sample itself
         raise ValueError(
             f"{estimator} compares the samples of a group, and these groups hold {r.shape[1]}: "
             "set data.n_samples_per_prompt to 2 or more (the hub's and the learner's)"
         )
-    mean = r.mean(1, keepdim=True)
-    if estimator == "grpo":
-        return (r - mean) / (r.std(1, keepdim=True) + eps)  # std with Bessel's correction
-    if estimator in ("dr_grpo", "reinforce_pp_baseline"):
-        return r - mean  # Dr. GRPO: no std division (it biases toward easy and hard prompts)
-    if estimator == "rloo":
-        n = r.shape[1]
-        return (r - mean) * n / (n - 1)  # r_i - mean of the others
-    raise ValueError(f"{estimator!r} is not a group estimator; choose one of {GROUP_ESTIMATORS}")
+    if estimator not in ("grpo", "dr_grpo", "reinforce_pp_baseline", "rloo"):
+        raise ValueError(f"{estimator!r} is not a group estimator; choose one of {GROUP_ESTIMATORS}")
+    v = torch.ones_like(r) if valid_GN is None else valid_GN.float()
+    n = v.sum(1, keepdim=True)
+    mean = (r * v).sum(1, keepdim=True) / n.clamp(min=1)
+    if estimator == "grpo":  # std with Bessel's correction
+        std = (((r - mean) ** 2 * v).sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+        adv = (r - mean) / (std + eps)
+    elif estimator == "rloo":
+        adv = (r - mean) * n / (n - 1).clamp(min=1)  # r_i - mean of the others
+    else:
+        adv = r - mean  # Dr. GRPO: no std division (it biases toward easy and hard prompts)
+    return adv * v * (n >= 2)
 
 
 def discounted_returns(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -119,8 +129,12 @@ def advantages(
     gamma: float = 1.0,
     lam: float = 0.95,
     reduce: SumReduce | None = None,
+    valid_B: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token advantages for any estimator (sequences in group order: B = G * N).
+
+    ``valid_B`` False marks a sample the engine aborted: out of its group's baseline (the group
+    estimators), advantage 0 everywhere.
 
     With ``kl_BT`` and ``kl_coef`` (KL in the reward), the token estimators take the KL on every
     token's reward; the group estimators, which see one reward per sample, take each sample's
@@ -131,20 +145,26 @@ def advantages(
     Returns (advantages_BT, returns_BT for the critic or None).
     """
     rewards_B = rewards_GN.reshape(-1).float()
+    valid_GN = None if valid_B is None else valid_B.reshape(rewards_GN.shape)
+    keep_B1 = torch.ones(rewards_B.shape[0], 1) if valid_B is None else valid_B.float().reshape(-1, 1)
     if estimator in ("grpo", "dr_grpo", "rloo"):
         if kl_BT is not None and kl_coef:
             penalty_B = (kl_BT.float() * mask_BT).sum(1)
             rewards_GN = rewards_GN.float() - kl_coef * penalty_B.reshape(rewards_GN.shape)
-        return group_advantages(rewards_GN, estimator)[..., None].reshape(-1, 1) * mask_BT, None
+        adv_B = group_advantages(rewards_GN, estimator, valid_GN=valid_GN).reshape(-1, 1)
+        return adv_B * mask_BT, None
     if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
         if estimator == "reinforce_pp_baseline":
-            rewards_B = group_advantages(rewards_GN, estimator).reshape(-1)
+            rewards_B = group_advantages(rewards_GN, estimator, valid_GN=valid_GN).reshape(-1)
         returns = discounted_returns(token_rewards(rewards_B, mask_BT, kl_BT, kl_coef), mask_BT, gamma)
-        return whiten(returns, mask_BT, reduce=reduce), None
+        return whiten(returns, mask_BT * keep_B1, reduce=reduce) * keep_B1, None
     if estimator == "gae":
         if values_BT is None:
             raise ValueError("gae needs a critic: set algo.critic.enabled true (or pick a critic-free estimator)")
-        return gae(token_rewards(rewards_B, mask_BT, kl_BT, kl_coef), values_BT, mask_BT, gamma, lam)
+        adv, returns = gae(token_rewards(rewards_B, mask_BT, kl_BT, kl_coef), values_BT, mask_BT, gamma, lam)
+        # whitened over the step's tokens, as verl and OpenRLHF do: the update's size then does not
+        # follow the reward's scale and the critic's error (the returns the critic fits are kept)
+        return whiten(adv, mask_BT * keep_B1, reduce=reduce) * keep_B1, returns
     raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {ESTIMATORS}")
 
 
@@ -195,6 +215,11 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- losses
 
 
+# The generator sends a token the sampler gave no probability (vLLM's -inf) as -1e9
+# (generators/service.py MIN_LOGPROB): anything this low is no log-probability to divide by.
+INVALID_LOGPROB = -1e8
+
+
 @dataclass
 class PolicyLossConfig:
     correction: str = "decoupled"  # decoupled | tis | none
@@ -202,6 +227,7 @@ class PolicyLossConfig:
     clip_high: float = 0.2  # clip-higher (DAPO) when larger than clip_low
     dual_clip: float | None = None  # c > 1: bounds the loss of negative advantages at c * |A|
     is_cap: float = 2.0  # truncation of the behaviour importance weight
+    cap_mode: str = "truncate"  # truncate: weights above is_cap count as is_cap; mask: their tokens count 0 (AReaL)
     ratio_level: str = "token"  # token | sequence (GSPO: the length-normalised sequence ratio)
     aggregation: str = "token_mean"
 
@@ -215,9 +241,18 @@ class PolicyLossConfig:
             clip_high=loss.clip_high,
             dual_clip=loss.dual_clip,
             is_cap=off_policy.is_cap,
+            cap_mode=off_policy.cap_mode,
             ratio_level=loss.ratio_level,
             aggregation=loss.aggregation,
         )
+
+
+def _capped(weight: torch.Tensor, cfg: PolicyLossConfig) -> torch.Tensor:
+    if cfg.cap_mode == "mask":
+        return torch.where(weight <= cfg.is_cap, weight, torch.zeros_like(weight))
+    if cfg.cap_mode == "truncate":
+        return weight.clamp(max=cfg.is_cap)
+    raise ValueError(f"unknown cap_mode {cfg.cap_mode!r}; choose truncate or mask")
 
 
 def policy_loss(
@@ -248,14 +283,24 @@ def policy_loss_terms(
       prox/mu truncated at ``is_cap`` (no gradient): the trust region is the learner's own last
       policy however stale the samples are.
     - ``tis``: no clipping; the policy gradient weighted by pi/mu truncated at ``is_cap``.
+
+    ``cap_mode`` ``mask`` gives a weight above ``is_cap`` 0 instead (AReaL's decoupled PPO drops
+    those tokens). A token whose behaviour log-probability is the generator's floor (the sampler
+    gave it none: ``INVALID_LOGPROB``) has no ratio at all: its loss is 0 (its weight was +inf,
+    and under ``none`` the loss NaN), though it still counts in the aggregation's denominator,
+    as the trainer's global normalisation counts it.
     """
     mask = mask_BT.float()
+    valid = behav_logprobs_BT > INVALID_LOGPROB
+    # an invalid token's behaviour log-probability set to the policy's own: finite everywhere,
+    # so no inf reaches exp (a NaN gradient through torch.where's masked branch otherwise)
+    behav_logprobs_BT = torch.where(valid, behav_logprobs_BT, logprobs_BT.detach())
     behav_weight = torch.ones_like(logprobs_BT)
     if cfg.correction == "decoupled":
         if prox_logprobs_BT is None:
             raise ValueError("decoupled correction needs the proximal log-probabilities")
         anchor = prox_logprobs_BT.detach()
-        behav_weight = torch.exp(prox_logprobs_BT - behav_logprobs_BT).clamp(max=cfg.is_cap).detach()
+        behav_weight = _capped(torch.exp(prox_logprobs_BT - behav_logprobs_BT), cfg).detach()
     elif cfg.correction in ("none", "tis"):
         anchor = behav_logprobs_BT.detach()
     else:
@@ -270,7 +315,7 @@ def policy_loss_terms(
     ratio = torch.exp(log_ratio)
     adv = advantages_BT.detach()
     if cfg.correction == "tis":
-        weight = ratio.clamp(max=cfg.is_cap).detach()
+        weight = _capped(ratio, cfg).detach()
         loss_BT = -weight * adv * logprobs_BT
         clipped = (ratio > cfg.is_cap).float()
     else:
@@ -284,6 +329,7 @@ def policy_loss_terms(
             bounded = torch.min(loss_BT, -cfg.dual_clip * adv)
             loss_BT = torch.where(adv < 0, bounded, loss_BT)
         loss_BT = loss_BT * behav_weight
+    loss_BT = loss_BT * valid
     loss = aggregate(loss_BT, mask, cfg.aggregation)
     # 0-d tensors on the loss's device: the trainer sums them over micro-batches and reads them
     # once per step (a float() here would stall the host on the GPU at every micro-batch)

@@ -474,6 +474,7 @@ class Trainer:
         if kl_in_reward is not None:
             assert prox is not None
             kl_ref = algos.kl_estimate(prox, kl_in_reward, self.cfg.algo.kl.estimator)
+        aborted = torch.tensor([s.aborted for s in seqs], dtype=torch.bool)
         adv, returns = algos.advantages(
             self.cfg.algo.advantage.estimator,
             rewards_GN,
@@ -484,10 +485,9 @@ class Trainer:
             gamma=self.cfg.algo.advantage.gamma,
             lam=self.cfg.algo.advantage.lam,
             reduce=self._sum_over_ranks(has_signal) if (self.world > 1 and apply) else None,
+            # its end is the engine's, not the policy's: out of its group's baseline, no gradient
+            valid_B=~aborted,
         )
-        aborted = torch.tensor([s.aborted for s in seqs], dtype=torch.bool)
-        if aborted.any():  # its end is the engine's, not the policy's: in its group's baseline, no gradient
-            adv[aborted] = 0.0
         stats.metrics["batch/aborted"] = float(aborted.sum())
         norms = self._step_norms(resp_mask, has_signal, apply)
         self._optimize(seqs, mbs, staged, weights, adv, prox, ref, resp_mask, norms, stats, apply)

@@ -72,6 +72,38 @@ def test_gae_by_hand() -> None:
         advantages("gae", T([[1.0]]), mask)
 
 
+def test_gae_advantages_are_whitened_over_the_step_as_verl_and_openrlhf_do() -> None:
+    """Raw GAE values made the update's size follow the reward's scale and the critic's error."""
+    mask = T([[1.0, 1.0, 1.0, 0.0]])
+    values = T([[0.5, 0.5, 0.5, 9.0]])
+    raw, _ = gae(T([[0.0, 0.0, 1.0, 0.0]]), values, mask, gamma=1.0, lam=0.5)
+    adv, ret = advantages("gae", T([[1.0]]), mask, values_BT=values, gamma=1.0, lam=0.5)
+    real = adv[mask > 0]
+    assert float(real.mean()) == pytest.approx(0.0, abs=1e-6) and float(real.std(unbiased=False)) == pytest.approx(
+        1.0, rel=1e-4
+    )
+    assert torch.argsort(real).tolist() == torch.argsort(raw[mask > 0]).tolist() and adv[0, 3] == 0.0
+    assert ret is not None
+    close(ret, [[0.625, 0.75, 1.0, 0.0]])  # the critic's targets stay the raw returns
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_an_aborted_sample_is_out_of_its_groups_baseline(estimator: str) -> None:
+    """Its reward scores a partial answer the engine cut: in the baseline, rewards [1, 1, 1, 0
+    (aborted)] gave the three real samples +0.5 each (GRPO), a contrast that is not there."""
+    valid = torch.tensor([[True, True, True, False], [True, False, True, True]])
+    rewards = T([[1.0, 1.0, 1.0, 0.0], [1.0, 5.0, 0.0, 0.0]])
+    adv = group_advantages(rewards, estimator, valid_GN=valid)
+    close(adv[0], [0.0, 0.0, 0.0, 0.0])  # no contrast among the real three
+    by_hand = group_advantages(T([[1.0, 0.0, 0.0]]), estimator)[0]  # group 2 without its aborted sample
+    close(adv[1], [float(by_hand[0]), 0.0, float(by_hand[1]), float(by_hand[2])])
+    lone = group_advantages(T([[1.0, 0.0]]), estimator, valid_GN=torch.tensor([[True, False]]))
+    close(lone, [[0.0, 0.0]])  # one valid sample has no group to compare with
+    mask = torch.ones(8, 2)
+    token_adv, _ = advantages(estimator, rewards, mask, valid_B=valid.reshape(-1))
+    close(token_adv[:, 0], adv.reshape(-1).tolist())
+
+
 def test_reinforce_pp_returns_are_whitened_over_the_batch() -> None:
     mask = T([[1.0, 1.0], [1.0, 0.0]])
     # returns (gamma 1): [[1, 1], [0, -]] -> real tokens 1, 1, 0: mean 2/3, var 2/9, std 0.4714
@@ -164,6 +196,38 @@ def test_gspo_uses_the_length_normalised_sequence_ratio() -> None:
     loss, metrics = policy_loss(logp, None, behav, T([[1.0, 1.0]]), T([[1.0, 1.0]]), cfg)
     close(loss, -1.2)  # both tokens clipped at 1 + 0.2
     assert metrics["ratio_mean"] == pytest.approx(math.sqrt(2.0), rel=1e-4)
+
+
+@pytest.mark.parametrize("correction", ["none", "tis", "decoupled"])
+@pytest.mark.parametrize("advantage", [1.0, 0.0, -1.0])
+def test_a_token_the_sampler_gave_no_probability_gets_no_gradient_and_no_nan(correction: str, advantage: float) -> None:
+    """Its behaviour log-probability arrives as the generator's floor (-1e9): under `none` the
+    ratio was exp(1e9) = inf, the loss NaN or inf and the gradient NaN, into the weights."""
+    behav = T([[-1.0, -1e9]])
+    logp = T([[-1.2, -3.0]]).requires_grad_()
+    prox = logp.detach().clone() if correction == "decoupled" else None
+    cfg = PolicyLossConfig(correction=correction)
+    loss, metrics = policy_loss(logp, prox, behav, T([[advantage, advantage]]), T([[1.0, 1.0]]), cfg)
+    loss.backward()
+    assert logp.grad is not None and torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert logp.grad[0, 1] == 0.0  # the invalid token: no gradient
+    alone, _ = policy_loss(
+        logp.detach()[:, :1], None if prox is None else prox[:, :1], behav[:, :1], T([[advantage]]), T([[1.0]]), cfg
+    )
+    close(loss, float(alone) / 2)  # the valid token's loss, over both tokens (it still counts in the mean)
+    assert all(math.isfinite(float(v)) for v in metrics.values())
+
+
+def test_cap_mode_mask_drops_the_tokens_over_the_cap_as_areal_does() -> None:
+    """AReaL's decoupled PPO filters out tokens whose behaviour weight exceeds the cap; truncation
+    (the default) gives them the cap instead."""
+    behav = T([[-1.0, -1.0]])
+    prox = T([[-1.0 + math.log(3.0), -1.0 + math.log(1.5)]])  # behaviour weights 3 (over the cap 2) and 1.5
+    logp = prox.clone().requires_grad_()
+    for mode, weights in (("truncate", [2.0, 1.5]), ("mask", [0.0, 1.5])):
+        cfg = PolicyLossConfig(correction="decoupled", is_cap=2.0, cap_mode=mode)
+        _, metrics = policy_loss(logp, prox, behav, T([[1.0, 1.0]]), T([[1.0, 1.0]]), cfg)
+        assert metrics["behav_weight_mean"] == pytest.approx(sum(weights) / 2, rel=1e-5), mode
 
 
 def test_value_loss_clipping() -> None:

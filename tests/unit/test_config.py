@@ -252,6 +252,15 @@ def test_string_flags_stay_strings_and_bad_yaml_names_where(tmp_path: Path) -> N
         load_config(["--config", str(recipe)])
 
 
+def test_gspo_with_a_length_weighted_aggregation_is_refused() -> None:
+    """ratio_level sequence with token_mean weighed each sequence's gradient by its length, which
+    GSPO's length normalisation is there to prevent."""
+    with pytest.raises(ConfigError, match="add --algo.loss.aggregation seq_mean_token_mean"):
+        load_config(["--algo.loss.ratio_level", "sequence"])
+    flags = ["--algo.loss.ratio_level", "sequence", "--algo.loss.aggregation", "seq_mean_token_mean"]
+    assert load_config(flags).algo.loss.ratio_level == "sequence"
+
+
 def test_a_boolean_is_not_a_number(tmp_path: Path) -> None:
     """`--async.max_staleness true` ran at 1 (pydantic's lax mode reads True as 1)."""
     with pytest.raises(ConfigError, match=r"`async.max_staleness`: .*a number is wanted here, not the boolean true"):
