@@ -152,6 +152,9 @@ def _keep_lease_chunks(sample: SampleAssembly, lease_id: int) -> None:
         sample.chunks = {q: c for q, c in sample.chunks.items() if c.lease_id == lease_id}
         finals = [c.seq for c in sample.chunks.values() if c.finish_reason is not None]
         sample.final_seq = finals[0] if finals else None
+        # and its token count the kept chunks' (the earlier lease's would count against
+        # rollout.max_tokens, refusing the new lease's chunks as over it)
+        sample.tokens = sum(len(c.tokens) >> 2 for c in sample.chunks.values())
 
 
 def _requeued(entry: bytes) -> tuple[int, int]:

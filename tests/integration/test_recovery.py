@@ -214,3 +214,34 @@ def test_redis_kill9_stops_the_hub_and_a_restart_loses_nothing_acknowledged(clus
     finally:
         gen.close()
         cluster.redis.stop()
+
+
+def test_a_sample_reissued_just_before_the_kill_starts_over_after_the_restart(cluster: Cluster) -> None:
+    """A sample re-issued to a new lease, the hub killed before any of the new lease's chunks:
+    the restarted hub kept the old lease's token count, so the new generator's chunks ran past
+    rollout.max_tokens and were refused (over_max_tokens) while its heartbeats kept the lease."""
+    args = (
+        *("--async.max_staleness", "0", "--async.groups_per_step", "1", "--data.n_samples_per_prompt", "2"),
+        *("--rollout.max_tokens", "40", "--hub.generator_timeout_s", "1", "--data.shuffle", "false"),
+    )
+    ports = cluster.start_hub(*args)
+    first = HandGenerator(cluster.gen_address, "first")
+    first.register()
+    lease = first.wait_lease()
+    first.send(*[make_chunk(lease, 0, seq, version=0, final=False, n=10) for seq in range(3)])  # 30 of 40 tokens
+    wait_until(lambda: first.pump(0.05) is not None and first.acked == 3, 10, "30 tokens acknowledged")
+    second = HandGenerator(cluster.gen_address, "second")
+    second.register()
+    relet = second.wait_lease(timeout_s=20)  # `first` is silent: its lease goes to `second`
+    assert relet.group_id == lease.group_id and relet.lease_id != lease.lease_id
+    assert cluster.hub is not None
+    cluster.hub.proc.kill()  # before any chunk of the new lease
+    cluster.hub.proc.wait(timeout=10)
+    cluster.start_hub(*args, ports=ports)
+    second.send(
+        *[make_chunk(relet, s, seq, version=0, final=seq == 2, n=10) for s in relet.samples for seq in range(3)]
+    )
+    wait_until(lambda: second.pump(0.05) is not None and second.acked + second.rejected >= 6, 20, "the answers")
+    assert (second.acked, second.rejected) == (6, 0)
+    first.close()
+    second.close()
