@@ -348,21 +348,22 @@ end
 if redis.call('ZCARD', KEYS[1]) < n then
   return {#stale, {}}
 end
+-- Every check before the first write of the claim: Redis does not roll a script back, and an
+-- error after the pop would leave groups popped and marked consumed that nobody holds.
+local head = redis.call('ZRANGE', KEYS[1], 0, n - 1)
+for _, gid in ipairs(head) do
+  if redis.call('GETBIT', KEYS[3], gid) == 1 then
+    return redis.error_reply('group ' .. gid .. ' was already consumed')
+  end
+end
 local popped = redis.call('ZPOPMIN', KEYS[1], n)
 for i = 1, #popped, 2 do
-  if redis.call('SETBIT', KEYS[3], popped[i], 1) == 1 then
-    return redis.error_reply('group ' .. popped[i] .. ' was already consumed')
-  end
+  redis.call('SETBIT', KEYS[3], popped[i], 1)
   redis.call('HINCRBY', KEYS[4], tostring(v - tonumber(popped[i + 1])), 1)
+  -- one at a time: unpack() of thousands of ids fails ("too many results to unpack")
+  redis.call('SADD', KEYS[8], popped[i])
 end
 redis.call('HINCRBY', KEYS[2], 'groups_consumed', n)
-local gids = {}
-for i = 1, #popped, 2 do
-  gids[#gids + 1] = popped[i]
-end
-if #gids > 0 then
-  redis.call('SADD', KEYS[8], unpack(gids))
-end
 redis.call('SET', KEYS[7], cmsgpack.pack({#stale, popped}), 'EX', tonumber(ARGV[4]))
 return {#stale, popped}
 """

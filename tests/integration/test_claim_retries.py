@@ -96,3 +96,18 @@ def test_a_learner_killed_between_its_claim_and_its_read_leaves_no_data_behind(
     assert client.redis.exists(client.keys.group(3)) == 1  # still ready, untouched
     assert client.redis.smembers(client.keys.claimed("0")) == set()
     assert restarted.release_untrained() == 2  # and admission gets them back, as before
+
+
+def test_a_claim_of_thousands_of_groups_is_whole_and_a_refused_one_pops_nothing(client: BatchClient) -> None:
+    """The claim script checked and recorded after its pop: `SADD claimed unpack(ids)` fails past
+    ~8000 ids ("too many results to unpack") and the already-consumed guard after ZPOPMIN, and
+    Redis does not roll a script back, so the popped groups were consumed and held by no one."""
+    r = client.redis
+    n = 10_000
+    r.zadd(client.keys.ready, {str(gid): 0 for gid in range(n)})
+    pairs, _ = client.try_claim(n, 0)
+    assert len(pairs) == n and r.scard(client._claimed) == n and r.zcard(client.keys.ready) == 0
+    r.zadd(client.keys.ready, {str(n): 0, "5": 0})  # group 5 comes back, though consumed
+    with pytest.raises(redis.ResponseError, match="group 5 was already consumed"):
+        client.try_claim(2, 0)
+    assert r.zcard(client.keys.ready) == 2 and not r.getbit(client.keys.consumed, n)  # nothing popped
