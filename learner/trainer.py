@@ -944,7 +944,9 @@ class Trainer:
             self._align_lr_schedule()
         self.client.release_claimed()  # this rank's own claims, before it makes any
         if self.rank == 0:
-            self.client.set_version(self.version)
+            # The version goes out last: the hub admits on (version - versions_without_batch), and
+            # a new version seen beside the old count let it admit a batch past the bound. The
+            # other way round it admits less for a moment, never more.
             lost = self.client.release_untrained()
             if lost:
                 log.warning("%d groups claimed before this start were never trained on: released to admission", lost)
@@ -953,6 +955,7 @@ class Trainer:
                 log.info(
                     "%d versions up to v%d trained no batch: the hub's admission counts them out", skipped, self.version
                 )
+            self.client.set_version(self.version)
         # No rank claims before that release: it counts every claim not yet finished as lost.
         self._agree_max(0)
 
