@@ -121,7 +121,8 @@ class Autoscaler:
         if self._last is not None and now - self._last.t < self.cfg.interval_s:
             return None
         if getattr(self.backend, "busy", False):
-            return None  # the last change is still being applied
+            self._last = None  # the last change is still being applied: a fresh look once it is
+            return None
         m = self.metrics()
         if not m:  # the hub is not answering: change nothing on no information, and say so
             self._note_silence(now)

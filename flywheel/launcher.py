@@ -417,6 +417,9 @@ class LocalLaunch:
             time.sleep(0.2)
         if svc.returncode != 0:
             raise ServiceFailed(svc, f"failed (exit code {svc.returncode})")
+        # done: what it holds goes back now (on Ray, its actor's GPU reservation, which the learner's
+        # own actor, asking for the same bundle's GPU next, would otherwise wait on)
+        svc.stop()
 
     # ------------------------------------------------------------------ preparation
 

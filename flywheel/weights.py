@@ -217,7 +217,9 @@ class WeightGroup:
         def post() -> None:
             try:
                 if buf.device.type == "cuda":
-                    torch.cuda.set_device(buf.device)  # the current device is per thread
+                    # the current device is per thread; the current stream there is the default
+                    # one, on which the caller packed ``buf`` (pack_bucket uses no stream of its own)
+                    torch.cuda.set_device(buf.device)
                 posted["work"] = self.pg.broadcast([buf], opts)
             except BaseException as err:  # handed to the caller's thread
                 posted["error"] = err

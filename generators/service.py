@@ -445,7 +445,6 @@ class GeneratorService:
         return UpdateResult(ready.version, error is None, error, seconds)
 
 
-@functools.cache
 def _behaviour_logprob(lp: float) -> float:
     """vLLM's log-probability of a sampled token, as the wire carries it: -inf (and a NaN, which
     min() read as 0.0, probability 1) becomes the floor the learner reads as "no probability"
@@ -455,6 +454,7 @@ def _behaviour_logprob(lp: float) -> float:
     return max(MIN_LOGPROB, min(0.0, lp))
 
 
+@functools.cache
 def _request_errors() -> tuple[type[BaseException], ...]:
     """What vLLM raises for one request's bad input (a token id outside the vocabulary, a prompt
     too long), as against a failed engine (``EngineDeadError``): the first ends that request."""

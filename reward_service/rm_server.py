@@ -108,14 +108,19 @@ class Batcher:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            batch = [await self.queue.get()]
-            size = len(batch[0].texts)
+            first = await self.queue.get()
+            if first.future.done():  # its caller gave up (rm.request_timeout_s): not scored for no one
+                continue
+            batch = [first]
+            size = len(first.texts)
             deadline = loop.time() + self.wait_s
             while size < self.max_batch:
                 try:
                     nxt = await asyncio.wait_for(self.queue.get(), max(0.0, deadline - loop.time()))
                 except TimeoutError:
                     break
+                if nxt.future.done():
+                    continue
                 batch.append(nxt)
                 size += len(nxt.texts)
             texts = [t for p in batch for t in p.texts]
@@ -147,7 +152,7 @@ def build_app(model: RewardModel, cfg: RewardModelConfig, rejected: Counter[str]
 
     batcher = Batcher(model, cfg.max_batch, cfg.batch_wait_ms / 1000)
     batcher_task: list[asyncio.Task[None]] = []  # set when the app starts
-    stalled: list[float] = []  # when requests timed out (the last one matters)
+    stalled: list[float] = []  # when a request last timed out
 
     async def score(request: web.Request) -> web.Response:
         try:
@@ -164,7 +169,7 @@ def build_app(model: RewardModel, cfg: RewardModelConfig, rejected: Counter[str]
         try:
             rewards = await asyncio.wait_for(batcher.score(model.texts(prompts, completions)), cfg.request_timeout_s)
         except TimeoutError:
-            stalled.append(time.monotonic())
+            stalled[:] = [time.monotonic()]  # the last one is all /health reads
             return web.json_response(
                 {"error": f"not scored within rm.request_timeout_s {cfg.request_timeout_s:g}s"}, status=503
             )

@@ -310,7 +310,7 @@ def test_a_wedged_engine_fails_the_generator_instead_of_holding_its_leases(
     held for good, and admission stayed short of them. The generator now exits for a restart."""
     start_hub(cluster, "--rollout.max_tokens", "300")
     gen = cluster.start_generator(
-        "g0", checkpoint_dir, sync_ports(broadcaster), "--generator.stall_timeout_s", "5", "--generator.capacity", "2"
+        "g0", checkpoint_dir, sync_ports(broadcaster), "--generator.stall_timeout_s", "15", "--generator.capacity", "2"
     )
     wait_until(lambda: tokens_in_flight(cluster), 120, "tokens streaming")
     core = engine_core(gen.pid)

@@ -386,8 +386,8 @@ def test_two_ranks_take_the_same_step_as_one_rank_on_the_whole_batch(
 
 
 def test_samples_the_engine_cut_off_give_no_gradient(redis_server: RedisServer, checkpoint_dir: Path) -> None:
-    """A sample whose end is the engine's (finish "abort") is no answer of the policy's: it stays in
-    its group's baseline but gets no advantage. A batch of nothing else gives no gradient."""
+    """A sample whose end is the engine's (finish "abort") is no answer of the policy's: it is out of
+    its group's baseline and gets no advantage. A batch of nothing else gives no gradient."""
     result = norm_check(checkpoint_dir, redis_server.url, 1, "token_mean", "abort")
     assert result["aborted"] == 4 and result["grad_norm"] == 0.0
 

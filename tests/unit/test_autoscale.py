@@ -104,13 +104,18 @@ def test_a_slow_hook_does_not_hold_the_launchers_loop(tmp_path) -> None:  # type
     backend = CommandBackend(slow, start=1)
     m = {"ready_groups": 0.0, "active_leases": 8.0, "generator_capacity": 8.0, "admission_blocked_seconds": 0.0}
     scaler = Autoscaler(CFG.model_copy(update={"interval_s": 1.0, "cooldown_s": 0.0}), backend, lambda: m, 4)
-    scaler.tick(now=0.0)
-    t0 = time.monotonic()
-    assert scaler.tick(now=1.0).target == 2  # type: ignore[union-attr]
-    assert time.monotonic() - t0 < 1.0 and backend.busy  # returned while the hook runs
-    assert scaler.tick(now=2.0) is None and backend.replicas() == 1  # no second change on top of it
-    release.touch()
+    try:
+        scaler.tick(now=0.0)
+        t0 = time.monotonic()
+        assert scaler.tick(now=1.0).target == 2  # type: ignore[union-attr]
+        assert time.monotonic() - t0 < 5.0 and backend.busy  # returned while the hook runs
+        assert scaler.tick(now=2.0) is None and backend.replicas() == 1  # no second change on top of it
+    finally:
+        release.touch()  # the hook ends whatever happened (no process left polling)
     assert backend.wait(30) and backend.replicas() == 2
+    # the window before and during the hook is the old fleet's: a fresh look first, then a decision
+    assert scaler.tick(now=3.0) is None
+    assert scaler.tick(now=4.0) is not None
 
 
 def test_a_hub_whose_metrics_never_answer_is_said(caplog) -> None:  # type: ignore[no-untyped-def]

@@ -33,7 +33,7 @@ def test_a_hung_forward_pass_answers_503_in_bounded_time_and_health_says_so() ->
     """`await future` had no limit: a hung forward held every /score caller for good while /health
     said "ok"."""
     model = HangingModel()
-    cfg = RewardModelConfig(model="hanging", request_timeout_s=0.5, batch_wait_ms=1)
+    cfg = RewardModelConfig(model="hanging", request_timeout_s=2.0, batch_wait_ms=1)
 
     async def scenario() -> None:
         app = build_app(model, cfg)  # type: ignore[arg-type]

@@ -238,16 +238,16 @@ def test_an_nccl_first_broadcast_that_never_returns_gives_the_group_up_in_time(m
         def abort(self) -> None:
             self.calls.append("abort")
 
-    monkeypatch.setattr(weights, "CLOSE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(weights, "CLOSE_TIMEOUT_S", 2.0)
     stuck = ProcessGroupNCCL(blocks=True)
-    group = weights.WeightGroup(stuck, 0, 2, 1, torch.device("cpu"), op_timeout_s=0.3)
+    group = weights.WeightGroup(stuck, 0, 2, 1, torch.device("cpu"), op_timeout_s=0.5)
     start = time.monotonic()
     with pytest.raises(weights.WeightSyncError, match="a rank that joined never came to the first broadcast"):
         group.start(torch.zeros(8, dtype=torch.uint8))
     released.set()
-    assert time.monotonic() - start < 5 and stuck.calls == ["broadcast", "abort"]
+    assert time.monotonic() - start < 10 and stuck.calls == ["broadcast", "abort"]
     fine = ProcessGroupNCCL(blocks=False)
-    group = weights.WeightGroup(fine, 0, 2, 1, torch.device("cpu"), op_timeout_s=0.3)
+    group = weights.WeightGroup(fine, 0, 2, 1, torch.device("cpu"), op_timeout_s=10)
     assert group.start(torch.zeros(8, dtype=torch.uint8)) == "work" and group.connected
     assert group.start(torch.zeros(8, dtype=torch.uint8)) == "work"  # then posted directly
 
