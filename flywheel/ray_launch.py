@@ -279,7 +279,7 @@ class RayLaunch(LocalLaunch):
             # (they run while it does not): with none they saw every GPU of the node, a generator's too
             role = self.roles[self._bundle(name)]
             options = {"scheduling_strategy": self._strategy(name), "num_gpus": self.gpus[role]}
-            where = self.node_ip[self.roles[self._bundle(name)]]
+            where = self.node_ip[role]
         actor = _ServiceActor.options(name=actor_name, **options).remote(
             name, module, list(args), str(self.logs), {**self._env(), **(env or {})}
         )
