@@ -127,6 +127,9 @@ class Hub:
         self.generators: dict[str, GeneratorInfo] = {}
         self.score_queue: deque[tuple[int, int]] = deque()
         self.score_sent: dict[tuple[int, int], tuple[bytes, float]] = {}
+        # every sample sent to a reward service and not yet scored: an answer to a request that
+        # timed out (and waits to be sent again) is as good as any; an answer never asked for is not
+        self.score_asked: set[tuple[int, int]] = set()
         self.reward_workers: dict[bytes, RewardWorker] = {}
 
         # per-turn output, flushed after the Redis write
@@ -159,6 +162,8 @@ class Hub:
         # reward workers still send for them is expected, counted quietly and not stored
         self._revoked_leases: set[int] = set()
         self._dropped_groups: set[int] = set()
+        # groups whose every sample has its score: a late answer to a re-sent request is a duplicate
+        self._scored_groups: set[int] = set()
         # groups this process dropped for failed rewards (stats' count is the run's, restored at a
         # restart; groups_ready counts this process only)
         self._reward_drops_here = 0
@@ -509,22 +514,33 @@ class Hub:
 
     def _on_score(self, identity: bytes, msg: Score) -> None:
         key = (msg.group_id, msg.sample)
-        sent = self.score_sent.pop(key, None)
-        worker = self.reward_workers.get(identity)
-        if worker is not None:
-            worker.inflight.discard(key)
+        if (worker := self.reward_workers.get(identity)) is not None:
             worker.last_seen = time.monotonic()
         group = self.groups.get(msg.group_id)
         if group is None and msg.group_id in self._dropped_groups:
             self.stats.rejected["score_for_dropped_group"] += 1  # expected: scored while it was dropped
             return
-        if sent is None or group is None or group.samples[msg.sample].score is not None:
+        if (group is None and msg.group_id in self._scored_groups) or (
+            group is not None and msg.sample < len(group.samples) and group.samples[msg.sample].score is not None
+        ):
+            # expected after a re-send: the first answer came late, or a service answered twice
+            self.stats.rejected["duplicate_score"] += 1
+            return
+        if group is None or key not in self.score_asked:
             self.rejects.reject(
                 "unexpected_score",
-                f"score for (group {msg.group_id}, sample {msg.sample}) that was not requested or is already scored",
+                f"score for (group {msg.group_id}, sample {msg.sample}), which was never asked for",
                 identity,
             )
             return
+        # An answer to a request that timed out (re-queued, or sent again) is as good as any: the
+        # re-queued request is skipped once the sample holds its score, and the credit frees on
+        # both the worker answering and the one a re-send went to.
+        self.score_asked.discard(key)
+        sent = self.score_sent.pop(key, None)
+        for holder in {identity, sent[0] if sent is not None else identity}:
+            if (owner := self.reward_workers.get(holder)) is not None:
+                owner.inflight.discard(key)
         score = StoredScore(reward=msg.reward, breakdown=msg.breakdown, error=msg.error)
         group.samples[msg.sample].score = score
         group.samples[msg.sample].response = None  # scored: the hub no longer needs the tokens
@@ -540,6 +556,9 @@ class Hub:
         """Every sample has its Score: the group is ready, or dropped when a score failed and
         reward.on_error is drop_group (a failed reward must not train as a real one)."""
         failed = [s.score.error for s in group.samples if s.score is not None and s.score.error is not None]
+        self._scored_groups.add(group.meta.group_id)
+        if len(self._scored_groups) > 100_000:  # bounded memory: late answers for these are long gone
+            self._scored_groups.clear()
         if not failed or self.cfg.reward.on_error == "assign":
             self._mark_ready(group)
             return
@@ -623,6 +642,7 @@ class Hub:
                 )
                 worker.inflight.add((gid, index))
                 self.score_sent[(gid, index)] = (worker.identity, now)
+                self.score_asked.add((gid, index))
                 self._after_flush(self.reward_sock, worker.identity, req)
 
     # ------------------------------------------------------------------ housekeeping
@@ -746,6 +766,7 @@ class Hub:
                 gen.leases.discard(lease_id)
                 self._after_flush(self.gen_sock, gen.identity, Revoke(lease_ids=[lease_id]))
         for index in range(len(group.samples)):  # samples at the reward service: their credit frees
+            self.score_asked.discard((gid, index))
             sent = self.score_sent.pop((gid, index), None)
             worker = self.reward_workers.get(sent[0]) if sent is not None else None
             if worker is not None:

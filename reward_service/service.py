@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 
 import zmq
 
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 10.0
 MAX_REQUEST_BYTES = 64 << 20  # a ScoreRequest carries one prompt and one response
 SCORES_PER_FRAME = 256  # scores per ScoreBatch: small frames, far under the hub's message limit
+RECENT_ANSWERS = 8192  # answers kept to send again when the hub re-sends a request already answered
 
 
 class RewardService:
@@ -64,10 +65,15 @@ class RewardService:
         self.rejects = Rejections(log)  # what the hub sent that failed validation, by reason
         self.queue: deque[Item] = deque()  # scored in batches
         self.solo: deque[Item] = deque()  # from a batch that hung or crashed: scored alone
-        # (group, sample) of every request queued or being scored: the hub re-sends what it has had
-        # no answer to in time, and a copy of one still held here would only be scored twice
-        self.held: set[tuple[int, int]] = set()
+        # (group, sample) of every request queued or being scored, with its fingerprint: the hub
+        # re-sends what it has had no answer to in time, and a copy of one still held here would
+        # only be scored twice
+        self.held: dict[tuple[int, int], int] = {}
+        # the latest answers: a re-send that crossed our answer on the wire (or whose answer was
+        # lost) is answered again from here, not scored again
+        self.answered: OrderedDict[tuple[int, int], tuple[int, Score]] = OrderedDict()
         self.duplicates = 0
+        self.answered_again = 0
         self.unsent = 0  # messages dropped because the hub was unreachable (it re-sends its requests)
         self.scored = 0
         self.errors: Counter[str] = Counter()
@@ -122,7 +128,13 @@ class RewardService:
             if key in self.held:
                 self.duplicates += 1
                 continue
-            self.held.add(key)
+            fingerprint = hash((req.prompt_tokens, req.response_tokens, req.finish_reason))
+            recent = self.answered.get(key)
+            if recent is not None and recent[0] == fingerprint:
+                self.answered_again += 1
+                self._send(encode(recent[1]))
+                continue
+            self.held[key] = fingerprint
             self.queue.append(
                 Item(
                     key=key,
@@ -158,7 +170,7 @@ class RewardService:
             result = [Outcome(error=result)]  # "timeout: ..." or "crash: ..."
         scores = []
         for item, out in zip(items, result, strict=True):
-            self.held.discard(item.key)
+            fingerprint = self.held.pop(item.key, None)
             reward = out.reward
             if out.error is not None:
                 self.errors[out.error.split(":", 1)[0]] += 1
@@ -175,8 +187,16 @@ class RewardService:
                     error=None if out.error is None else clip_error(out.error),
                 )
             )
+            if fingerprint is not None:
+                self._remember(item.key, fingerprint, scores[-1])
         for i in range(0, len(scores), SCORES_PER_FRAME):  # one frame per worker batch, bounded
             self._send(encode(ScoreBatch(worker_id=self.service_id, scores=scores[i : i + SCORES_PER_FRAME])))
+
+    def _remember(self, key: tuple[int, int], fingerprint: int, score: Score) -> None:
+        self.answered[key] = (fingerprint, score)
+        self.answered.move_to_end(key)
+        if len(self.answered) > RECENT_ANSWERS:
+            self.answered.popitem(last=False)
 
     def _send(self, payload: bytes) -> None:
         """Never blocks: with the hub away, the socket's queue fills (a heartbeat a second) and a
@@ -199,7 +219,7 @@ class RewardService:
     def _log_stats(self) -> None:
         log.info(
             "scored %d | errors %s | queued %d, in workers %d | workers ready %d/%d, restarts %d | rejected %s"
-            " | re-sent while held %d | unsent %d",
+            " | re-sent while held %d, after the answer %d | unsent %d",
             self.scored,
             dict(self.errors) or "none",
             len(self.queue) + len(self.solo),
@@ -209,6 +229,7 @@ class RewardService:
             self.pool.restarts,
             dict(self.rejects.counts) or "none",
             self.duplicates,
+            self.answered_again,
             self.unsent,
         )
 

@@ -158,6 +158,123 @@ def test_a_request_sent_again_while_the_service_holds_it_is_scored_once(cluster:
     assert scored and int(scored[-1]) == m["flywheel_hub_samples_completed_total"], (m, reward.tail(20))
 
 
+def test_late_and_repeated_answers_to_re_sent_requests_are_taken_once(cluster: Cluster) -> None:
+    """A service answering the first send after the hub has sent the request again (both copies
+    are then answered: the re-send crossed the answer on the wire) is no fault: the first answer
+    is the sample's score, the second is counted as a duplicate, and nothing is called
+    unexpected. Here a hand-driven worker holds every request until it has seen it twice."""
+    import zmq
+
+    from flywheel.wire import Decoder, RewardRegister, Score, ScoreBatch, ScoreRequest, encode
+
+    cluster.start_hub(*HUB[:4], "--hub.score_timeout_s", "0.3", "--async.max_staleness", "1")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.reward_address)
+    decoder = Decoder(ScoreRequest)
+    seen: dict[tuple[int, int], int] = {}
+    answered: set[tuple[int, int]] = set()
+    gen = None
+    try:
+        deadline, last_hello = time.monotonic() + 120, 0.0
+        while time.monotonic() < deadline:
+            if time.monotonic() - last_hello > 0.5:
+                last_hello = time.monotonic()
+                sock.send(encode(RewardRegister(worker_id="hand", capacity=64)))
+            if gen is None and cluster.metrics()["flywheel_hub_reward_workers"] == 1:
+                gen = cluster.start_simgen("sim0", "--min-len", "4", "--max-len", "40", "--capacity", "4")
+            if sock.poll(100):
+                req = decoder.decode(sock.recv())
+                assert isinstance(req, ScoreRequest)
+                key = (req.group_id, req.sample)
+                seen[key] = seen.get(key, 0) + 1
+            twice = [k for k, n in seen.items() if n >= 2 and k not in answered]
+            if twice:
+                scores = [Score(worker_id="hand", group_id=g, sample=i, reward=1.0) for g, i in twice]
+                sock.send(encode(ScoreBatch(worker_id="hand", scores=scores)))  # the late answer
+                sock.send(encode(ScoreBatch(worker_id="hand", scores=scores)))  # and the re-send's
+                answered.update(twice)
+            if len(answered) >= 16:
+                break
+        assert len(answered) >= 16, f"only {len(answered)} samples seen twice: {seen}"
+        assert gen is not None
+        gen.stop()
+        m = wait_until(
+            lambda: (m := cluster.metrics())["flywheel_hub_scores_in_total"] >= len(answered) and m,
+            30,
+            "the answers taken",
+        )
+        assert m.get('flywheel_hub_rejected_total{reason="unexpected_score"}', 0) == 0, m
+        assert m["flywheel_hub_scores_in_total"] == len(answered)
+        assert m['flywheel_hub_rejected_total{reason="duplicate_score"}'] == len(answered)
+    finally:
+        sock.close()
+
+
+def test_a_request_sent_again_after_its_answer_is_answered_again_not_scored_again() -> None:
+    """The hub's re-send can arrive just after the service answered (or the answer was lost on
+    the way): the service sends its answer again rather than scoring the sample a second time.
+    A different request under the same (group, sample) is scored afresh."""
+    import zmq
+
+    from flywheel.config import RewardConfig
+    from flywheel.redis_server import free_port
+    from flywheel.wire import Decoder, RewardRegister, Score, ScoreBatch, ScoreRequest, ToHub, encode, pack_i32
+    from reward_service.pool import WorkerPool
+    from reward_service.scoring import FunctionSpec
+    from reward_service.service import RewardService
+
+    port = free_port()
+    hub = zmq.Context.instance().socket(zmq.ROUTER)
+    hub.setsockopt(zmq.LINGER, 0)
+    hub.bind(f"tcp://127.0.0.1:{port}")
+    pool = WorkerPool(1, [FunctionSpec("length", 1.0, {})], None, {"max_tokens": 16}, timeout_s=30)
+    service = RewardService(RewardConfig(hub_address=f"tcp://127.0.0.1:{port}"), "svc", pool)
+    loop = threading.Thread(target=service.run, kwargs={"max_seconds": 180}, daemon=True)
+    loop.start()
+    decoder = Decoder(ToHub)
+
+    def receive() -> object:
+        return decoder.decode(hub.recv_multipart()[1]) if hub.poll(200) else None
+
+    def answer() -> Score:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            msg = receive()
+            if isinstance(msg, ScoreBatch):
+                (msg,) = msg.scores
+            if isinstance(msg, Score):
+                return msg
+        raise AssertionError("no answer within 120s")
+
+    def request(response: list[int]) -> None:
+        req = ScoreRequest(
+            group_id=3,
+            sample=1,
+            prompt_tokens=pack_i32([1, 2]),
+            response_tokens=pack_i32(response),
+            finish_reason="stop",
+        )
+        hub.send_multipart([b"svc", encode(req)])
+
+    try:
+        wait_until(lambda: isinstance(receive(), RewardRegister), 120, "the service registered")
+        request([3, 4, 5])
+        first = answer()
+        request([3, 4, 5])  # the re-send, after the answer
+        again = answer()
+        assert (again.group_id, again.sample, again.reward) == (first.group_id, first.sample, first.reward)
+        assert service.scored == 1 and service.answered_again == 1
+        request([3])
+        assert answer().reward != first.reward  # scored afresh: not the remembered answer
+        assert service.scored == 2
+    finally:
+        service.stop()
+        loop.join(timeout=30)
+        service.close()
+        hub.close()
+
+
 @pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_reward_model(tmp_path_factory.mktemp("rm"))
@@ -251,7 +368,7 @@ def test_a_worker_killed_while_idle_costs_no_sample_its_error() -> None:
         worker = pool.workers[0]
         os.kill(worker.proc.pid, signal.SIGKILL)
         worker.proc.join(timeout=10)
-        service.held.add((7, 0))
+        service.held[(7, 0)] = 0
         service.queue.append(Item((7, 0), pack_i32([1, 2]), pack_i32([3, 4, 5]), "stop", {}))
         service._dispatch()  # the send to the dead worker fails: the item stays queued
         assert len(service.queue) == 1 and pool.busy_count() == 0
