@@ -192,7 +192,9 @@ class StagedMicroBatch:
         return int(self.mask_cpu.shape[1])
 
 
-def stage(mb: MicroBatch, device: torch.device) -> StagedMicroBatch:
+def stage(mb: MicroBatch, device: torch.device, trained: torch.Tensor | None = None) -> StagedMicroBatch:
+    """``trained`` ([sequences, at least the micro-batch's width]): 1 on the response tokens that
+    train, 0 on those that get no gradient; the mask is every response token without it."""
     lens = [len(c) for c in mb.gather_cols]
     width = max(lens, default=0)
     rows = torch.cat(mb.gather_rows) if lens else torch.zeros(0, dtype=torch.long)
@@ -201,6 +203,8 @@ def stage(mb: MicroBatch, device: torch.device) -> StagedMicroBatch:
     pos = torch.cat([torch.arange(n) for n in lens]) if lens else rows
     mask = torch.zeros((len(lens), width), dtype=torch.float32)
     mask[seq, pos] = 1.0
+    if trained is not None:
+        mask *= trained[:, :width]
     packed = packed_lengths(mb)
 
     def dev(t: torch.Tensor) -> torch.Tensor:

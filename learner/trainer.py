@@ -146,7 +146,9 @@ class Trainer:
         # benchmark can measure the plain path in the same run.
         self.fused_logprobs = cfg.ds.zero_stage < 3 and _plain_linear_head(model)
         self.compile_loss = self.on_gpu
-        self._fused_checked = False
+        # id(model) -> whether its head proved plain on its first micro-batch: the policy's, and a
+        # reference's (another checkpoint: its head may be soft-capped where the policy's is not)
+        self._fused_head: dict[int, bool] = {}
         # torch.compile of the policy's decoder layers (learner/speedups.py), applied at the first
         # step so the benchmark can turn it off first; GPU only, not under ZeRO-3 (its parameter
         # hooks gather and release weights inside the layers).
@@ -461,9 +463,11 @@ class Trainer:
         extra = self._agree_max(len(mbs)) - len(mbs) if apply else 0
         mbs += [mbs[-1]] * extra
         weights += [0.0] * extra
-        staged = [stage(mb, self.device) for mb in mbs]
         resp_mask = pad_rows([np.ones(len(s.response)) for s in seqs])
         width = resp_mask.shape[1]
+        aborted = torch.tensor([s.aborted for s in seqs], dtype=torch.bool)
+        trained = self._trained_tokens(seqs, resp_mask, aborted)
+        staged = [stage(mb, self.device, trained[mb.seq_index]) for mb in mbs]
         # the proximal log-probabilities need a forward of their own only when the advantage needs
         # them (KL in the reward); for the loss, each micro-batch's own forward gives them (below)
         prox = self._logprobs_no_grad(self.engine, seqs, mbs, staged, width) if self._prox_before_step() else None
@@ -474,7 +478,6 @@ class Trainer:
         if kl_in_reward is not None:
             assert prox is not None
             kl_ref = algos.kl_estimate(prox, kl_in_reward, self.cfg.algo.kl.estimator)
-        aborted = torch.tensor([s.aborted for s in seqs], dtype=torch.bool)
         adv, returns = algos.advantages(
             self.cfg.algo.advantage.estimator,
             rewards_GN,
@@ -489,11 +492,11 @@ class Trainer:
             valid_B=~aborted,
         )
         stats.metrics["batch/aborted"] = float(aborted.sum())
-        norms = self._step_norms(resp_mask, has_signal, apply)
+        norms = self._step_norms(trained, has_signal, apply)
         self._optimize(seqs, mbs, staged, weights, adv, prox, ref, resp_mask, norms, stats, apply)
         if self.critic is not None:
             assert old_values is not None and returns is not None
-            self._fit_critic(mbs, weights, old_values, returns, resp_mask, norms[0], stats, apply)
+            self._fit_critic(mbs, weights, old_values, returns, trained, norms[0], stats, apply)
         stats.metrics.update(
             {
                 "reward/mean": float(claimed_rewards.mean()),
@@ -530,15 +533,24 @@ class Trainer:
         stats.staleness.clear()
         stats.staleness.update({k: int(n) for k, n in enumerate(stale) if n})
 
-    def _step_norms(self, resp_mask: torch.Tensor, has_signal: bool, apply: bool) -> tuple[float, float]:
-        """The step's (response tokens, sequences) that a rank's losses divide by.
+    @staticmethod
+    def _trained_tokens(seqs: list[Sequence], resp_mask: torch.Tensor, aborted: torch.Tensor) -> torch.Tensor:
+        """[sequences, width]: 1 on the response tokens that train. Not those of a sample the engine
+        cut off (its end is not the policy's), nor a token the sampler gave no probability (no
+        ratio to take): neither gets any gradient (policy loss, KL, entropy bonus, value loss) nor
+        counts in the step's normalisers, where it would only shrink the others' gradients."""
+        behav = pad_rows([s.behav_logprobs for s in seqs], resp_mask.shape[1])
+        return resp_mask * (~aborted)[:, None] * (behav > algos.INVALID_LOGPROB)
+
+    def _step_norms(self, trained: torch.Tensor, has_signal: bool, apply: bool) -> tuple[float, float]:
+        """The step's (trained tokens, sequences with any) that a rank's losses divide by.
 
         DeepSpeed averages the ranks' gradients, so each rank must divide by the step's totals over
         every rank, over the world size: dividing by its own counts would weigh a token on a rank
         with few tokens more than one on a rank with many, and count a rank with nothing to learn
         (every group filtered out) in the average. At world 1 they are this rank's counts."""
-        tokens = float(resp_mask.sum()) if has_signal else 0.0
-        seqs = float(resp_mask.shape[0]) if has_signal else 0.0
+        tokens = float(trained.sum()) if has_signal else 0.0
+        seqs = float((trained.sum(1) > 0).sum()) if has_signal else 0.0
         if self.world > 1 and apply:
             import torch.distributed as dist
 
@@ -584,7 +596,7 @@ class Trainer:
         weights: list[float],
         old_values: torch.Tensor,
         returns: torch.Tensor,
-        resp_mask: torch.Tensor,
+        trained: torch.Tensor,
         step_tokens: float,
         stats: StepStats,
         apply: bool,
@@ -595,8 +607,8 @@ class Trainer:
         for k, (mb, weight) in enumerate(zip(mbs, weights, strict=True)):
             with torch.enable_grad() if apply else torch.no_grad():
                 values, mask = to_rows(self._forward(self.critic, mb)[..., 0].float(), mb)
-                mask = mask.to(values.device)
                 w = mask.shape[1]
+                mask = (mask * trained[mb.seq_index, :w]).to(values.device)
                 old = old_values[mb.seq_index, :w].to(values.device)
                 ret = returns[mb.seq_index, :w].to(values.device)
                 loss = algos.value_loss(values, old, ret, mask, clip) * (float(mask.sum()) / step_tokens) * weight
@@ -607,8 +619,8 @@ class Trainer:
             total += float(loss.detach())
             err += float(((values.detach() - ret) ** 2 * mask).sum()) * weight
         stats.metrics["critic/value_loss"] = total
-        stats.metrics["critic/value_mean"] = float(algos.masked_mean(old_values, resp_mask))
-        stats.metrics["critic/return_mse"] = err / max(float(resp_mask.sum()), 1.0)
+        stats.metrics["critic/value_mean"] = float(algos.masked_mean(old_values, trained))
+        stats.metrics["critic/return_mse"] = err / max(float(trained.sum()), 1.0)
 
     def _prox_before_step(self) -> bool:
         """Whether the proximal log-probabilities are computed by a separate forward before the step.
@@ -662,16 +674,21 @@ class Trainer:
         the entropy of the next-token distribution there (raw logits): flat [N] on the device."""
         inputs = {"input_ids": smb.input_ids, "position_ids": smb.position_ids, "attention_mask": smb.attention_mask}
         inputs.update(self._varlen_kwargs(model, smb.cu_seqlens, smb.max_seqlen))
-        if self.fused_logprobs:
+        key = id(model)
+        if self.fused_logprobs and key not in self._fused_head and not _plain_linear_head(_unwrap(model)):
+            self._fused_head[key] = False  # a reference whose head is not a plain linear map
+        if self.fused_logprobs and self._fused_head.get(key, True):
             # The backbone's last hidden states (the final norm applied: transformers ties
             # hidden_states[-1] to last_hidden_state); the head computes logits for one position
             # only. Going through the engine's forward keeps DeepSpeed's backward hooks.
             out = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
             hidden = out.hidden_states[-1]
             weight = _unwrap(model).get_output_embeddings().weight
-            if not self._fused_checked:
-                self._check_fused_head(hidden, weight, out.logits)
-            if self.fused_logprobs:
+            if key not in self._fused_head:
+                self._fused_head[key] = _head_is_plain(hidden, weight, out.logits)
+                if model is self.engine and not self._fused_head[key]:
+                    self.fused_logprobs = False  # the policy's: the plain path for every model
+            if self._fused_head[key]:
                 lp, ent = linear_logprobs_entropy(
                     hidden[smb.rows_N, smb.cols_N], weight, smb.targets_N, self.temperature, compiled=self.compile_loss
                 )
@@ -681,18 +698,6 @@ class Trainer:
         lp = token_logprobs(logits, smb.targets, self.temperature)[smb.rows_N, smb.cols_N]
         ent = entropy_at(logits, mb, grad=entropy_grad)[smb.rows_N, smb.cols_N]
         return lp, ent
-
-    def _check_fused_head(self, hidden: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor) -> None:
-        """Once: the model's own logits at the last position must be hidden @ weight.T, or the fused
-        path computes something else (a scaled or soft-capped head): then the plain path it is."""
-        self._fused_checked = True
-        with torch.no_grad():
-            mine = (hidden[:, -1] @ weight.T).float()
-            theirs = logits[:, -1].float()
-            ok = bool(torch.allclose(mine, theirs, rtol=2e-2, atol=2e-2 * float(theirs.abs().max().clamp(min=1.0))))
-        if not ok:
-            log.warning("the model's logits are not its last hidden states @ the head weight: plain log-probabilities")
-            self.fused_logprobs = False
 
     def _optimize(
         self,
@@ -982,6 +987,18 @@ def dist_env() -> tuple[int, int]:
 def _unwrap(model: Any) -> Any:
     """The transformers model inside a DeepSpeed engine (or the model itself)."""
     return getattr(model, "module", model)
+
+
+def _head_is_plain(hidden: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor) -> bool:
+    """Whether a model's own logits at the last position are hidden @ weight.T; if not, the fused
+    path would compute something else (a scaled or soft-capped head): the plain path it is."""
+    with torch.no_grad():
+        mine = (hidden[:, -1] @ weight.T).float()
+        theirs = logits[:, -1].float()
+        ok = bool(torch.allclose(mine, theirs, rtol=2e-2, atol=2e-2 * float(theirs.abs().max().clamp(min=1.0))))
+    if not ok:
+        log.warning("a model's logits are not its last hidden states @ the head weight: plain log-probabilities for it")
+    return ok
 
 
 def _plain_linear_head(model: torch.nn.Module) -> bool:

@@ -2,10 +2,12 @@
 2 (a group on each rank, run under torch.distributed.run), and print the step's gradient norm.
 The loss's normaliser is the step's over every rank, so both must read the same norm.
 
-    python -m tests.integration.norm_check MODEL REDIS_URL AGGREGATION [FINISH [ESTIMATOR]]
+    python -m tests.integration.norm_check MODEL REDIS_URL AGGREGATION [FINISH [ESTIMATOR [FLAG VALUE ...]]]
 
 FINISH (default stop) is every sample's finish reason: with ``abort`` (cut off by the engine) no
-sample may give a gradient.
+sample may give a gradient; ``floor`` ends them with stop but gives every token the behaviour
+log-probability of a token the sampler gave no probability (-1e9), which may give none either.
+The flags at the end go to the learner's config.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ def fixed_groups(finish: str) -> list[object]:
     def sample(n: int, reward: float, start: int) -> RolloutSample:
         return RolloutSample(
             tokens=np.arange(start, start + n, dtype=np.int32),
-            logprobs=np.full(n, -3.0, dtype=np.float32),
+            logprobs=np.full(n, -1e9 if finish == "floor" else -3.0, dtype=np.float32),
             versions=np.zeros(n, dtype=np.int32),
-            finish_reason=finish,
+            finish_reason="stop" if finish == "floor" else finish,
             reward=reward,
             reward_breakdown={},
             reward_error=None,
@@ -67,6 +69,7 @@ def main() -> None:
     model, redis_url, aggregation = sys.argv[1:4]
     finish = sys.argv[4] if len(sys.argv) > 4 else "stop"
     estimator = sys.argv[5] if len(sys.argv) > 5 else "grpo"
+    extra = sys.argv[6:]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "RANK" not in os.environ:
         from flywheel.redis_server import free_port
@@ -88,6 +91,7 @@ def main() -> None:
             "--train.micro_batch_tokens", "24", "--algo.loss.aggregation", aggregation, "--algo.advantage.estimator", estimator,
             "--async.groups_per_step", "2", "--data.n_samples_per_prompt", "2", "--rollout.max_tokens", "16",
             "--sync.announce_port", str(free_port()), "--sync.join_port", str(free_port()), "--wandb.mode", "disabled",
+            *extra,
         ]
     )  # fmt: skip
     trainer = Trainer(cfg, rank, world)

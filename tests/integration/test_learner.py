@@ -313,10 +313,17 @@ def test_learner_weights_reach_a_vllm_generator(cluster: Cluster, checkpoint_dir
 
 
 def norm_check(
-    checkpoint_dir: Path, redis_url: str, world: int, aggregation: str, finish: str = "stop", estimator: str = "grpo"
+    checkpoint_dir: Path,
+    redis_url: str,
+    world: int,
+    aggregation: str,
+    finish: str = "stop",
+    estimator: str = "grpo",
+    *flags: str,
 ) -> dict:
     """``tests/integration/norm_check.py``: one step on a fixed batch; its gradient norm."""
     script = ["-m", "tests.integration.norm_check", str(checkpoint_dir), redis_url, aggregation, finish, estimator]
+    script += flags
     if world == 2:
         script = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), *script]
     return script_result(script)
@@ -387,9 +394,20 @@ def test_two_ranks_take_the_same_step_as_one_rank_on_the_whole_batch(
 
 def test_samples_the_engine_cut_off_give_no_gradient(redis_server: RedisServer, checkpoint_dir: Path) -> None:
     """A sample whose end is the engine's (finish "abort") is no answer of the policy's: it is out of
-    its group's baseline and gets no advantage. A batch of nothing else gives no gradient."""
-    result = norm_check(checkpoint_dir, redis_server.url, 1, "token_mean", "abort")
+    its group's baseline and gets no advantage. A batch of nothing else gives no gradient, not even
+    through the entropy bonus (which took every response token); nor does a batch whose tokens the
+    sampler gave no probability (behaviour log-probability -1e9)."""
+    result = norm_check(
+        checkpoint_dir, redis_server.url, 1, "token_mean", "abort", "grpo", "--algo.entropy_coef", "0.01"
+    )
     assert result["aborted"] == 4 and result["grad_norm"] == 0.0
+    floor = norm_check(
+        checkpoint_dir, redis_server.url, 1, "token_mean", "floor", "grpo", "--algo.entropy_coef", "0.01"
+    )
+    assert floor["aborted"] == 0 and floor["grad_norm"] == 0.0
+    # (the same batch ended by the policy: the entropy bonus alone moves the weights)
+    plain = norm_check(checkpoint_dir, redis_server.url, 1, "token_mean", "stop", "grpo", "--algo.entropy_coef", "0.01")
+    assert plain["grad_norm"] > 0
 
 
 def test_a_fresh_learner_refuses_a_run_redis_already_holds(redis_server: RedisServer, checkpoint_dir: Path) -> None:

@@ -83,3 +83,56 @@ def test_no_gradient_needed_under_no_grad() -> None:
 def test_bad_chunk_is_refused() -> None:
     with pytest.raises(ValueError, match="chunk"):
         linear_logprobs_entropy(torch.randn(2, 3), torch.randn(5, 3), torch.tensor([0, 1]), chunk=0)
+
+
+def test_each_model_takes_the_fused_path_only_when_its_own_head_is_plain() -> None:
+    """The policy's head is plain, a reference's (another checkpoint) is soft-capped: the
+    reference's log-probabilities are its own logits', whichever model goes first. (The check ran
+    once, on the first model: a reference after the policy went through the fused path and got
+    hidden @ weight, the logits of a head it does not have.)"""
+    import numpy as np
+    from transformers import LlamaForCausalLM
+
+    from flywheel.tiny import model_config
+    from learner.batching import Sequence, build_micro_batch, stage
+    from learner.trainer import Trainer
+
+    class SoftCapped(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            out = super().forward(*args, **kwargs)
+            out.logits = 4.0 * torch.tanh(out.logits / 4.0)
+            return out
+
+    torch.manual_seed(0)
+    config = model_config(vocab_size=64)
+    policy, ref = LlamaForCausalLM(config).eval(), SoftCapped(config).eval()
+    with torch.no_grad():  # logits large enough for the cap to matter
+        ref.lm_head.weight.mul_(40.0)
+    seq = Sequence(
+        prompt=np.arange(5, 10, dtype=np.int32),
+        response=np.arange(20, 28, dtype=np.int32),
+        behav_logprobs=np.full(8, -1.0, dtype=np.float32),
+        versions=np.zeros(8, dtype=np.int32),
+        reward=1.0,
+        group=0,
+        staleness=0,
+    )
+    mb = build_micro_batch([seq], [0], packed=False, pad_id=0)
+    smb = stage(mb, torch.device("cpu"))
+    with torch.no_grad():
+        logits = ref(torch.as_tensor(np.concatenate([seq.prompt, seq.response]), dtype=torch.long)[None]).logits[0]
+        expected = torch.log_softmax(logits[len(seq.prompt) - 1 : -1].float(), -1)[
+            torch.arange(8), torch.as_tensor(seq.response, dtype=torch.long)
+        ]
+
+    for order in ((policy, ref), (ref, policy)):
+        trainer = Trainer.__new__(Trainer)
+        trainer.engine, trainer.temperature, trainer.compile_loss = policy, 1.0, False
+        trainer.fused_logprobs, trainer._fused_head = True, {}
+        with torch.no_grad():
+            for model in order:
+                lp, _ = trainer._token_stats(model, mb, smb, entropy_grad=False)
+                if model is ref:
+                    torch.testing.assert_close(lp, expected, rtol=1e-4, atol=1e-4)
+        assert trainer._fused_head == {id(policy): True, id(ref): False}
+        assert trainer.fused_logprobs  # the policy keeps its fused path
