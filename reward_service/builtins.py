@@ -120,15 +120,28 @@ _PROSE = re.compile(r"[^\W\d_]{2,}")  # a word of two letters or more (x^2 is no
 
 
 def _final_answer(completion: str) -> tuple[str, bool]:
-    """Where a completion states its answer, and whether that place holds nothing else: the last
-    ``<answer>`` block, else what follows the last ``</think>`` (a number in the reasoning is no
-    answer), else the whole completion (marked off when it is no prose, only an expression)."""
-    tagged = _ANSWER_TAG.findall(completion)
+    """Where a completion states its answer, and whether that place holds nothing else. Only what
+    follows the last ``</think>`` counts (a number or a tag in the reasoning is no answer): its
+    last ``<answer>`` block, else all of it, marked off when it is no prose, only an expression
+    (in prose, "The answer is 5. Check: 5 + 2 = 7" states 5, not its last number).
+
+    >>> _final_answer("<think>is it <answer>3</answer>?</think> So <answer>5</answer>")
+    ('5', True)
+    >>> _final_answer("</think>The answer is 5. Check: 5 + 2 = 7")
+    ('The answer is 5. Check: 5 + 2 = 7', False)
+    """
+    after = completion.rpartition("</think>")[2]
+    tagged = _ANSWER_TAG.findall(after)
     if tagged:
         return str(tagged[-1]), True
-    if "</think>" in completion:
-        return completion.rpartition("</think>")[2], True
-    return completion, not _PROSE.search(_LATEX_COMMAND.sub(" ", completion))
+    return after, not _PROSE.search(_LATEX_COMMAND.sub(" ", after))
+
+
+LAST_NUMBER = "last_number"  # exact_match's default extraction
+# a number in text: thousands separators only in threes (a comma after it is punctuation)
+_NUMBER_IN_TEXT = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?", re.ASCII)
+# a whole text that is a number: a sign, separators in threes, a decimal point (12. too), an exponent
+_NUMBER_TEXT = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?", re.ASCII)
 
 
 @register("exact_match", check=lambda kw: _regexes_compile(kw, "extract"))
@@ -137,26 +150,31 @@ def exact_match(
     completions: list[str],
     metadata: list[dict[str, Any]],
     answer_key: str = "answer",
-    extract: str | None = r"(-?\d[\d,]*(?:\.\d+)?)(?!.*\d)",
+    extract: str | None = LAST_NUMBER,
     ignore_case: bool = False,
     **_: Any,
 ) -> list[float]:
     """1 when the extracted answer equals the reference after whitespace normalisation; two
     numbers are compared as numbers (``1,000`` equals ``1000``, ``42.0`` equals ``42``).
 
-    ``extract`` is a regex whose first group is the answer (default: the last number; ``None``:
-    the whole completion).
+    ``extract`` is a regex whose first group is the answer (default ``last_number``: the
+    completion's last number, found in one pass; ``None``: the whole completion).
 
     >>> exact_match(["2+2?"], ["I think it is 4"], [{"answer": "4"}])
     [1.0]
     >>> exact_match(["?"], ["The answer is 1,000."], [{"answer": "1000"}])
     [1.0]
+    >>> exact_match(["?"], ["The answer is 42, as required."], [{"answer": "42"}])
+    [1.0]
     """
-    pattern = re.compile(extract, re.DOTALL) if extract else None
+    pattern = re.compile(extract, re.DOTALL) if extract and extract != LAST_NUMBER else None
     out = []
     for completion, meta in zip(completions, metadata, strict=True):
         text = completion
-        if pattern is not None:
+        if extract == LAST_NUMBER:
+            numbers = _NUMBER_IN_TEXT.findall(completion)
+            text = numbers[-1] if numbers else ""
+        elif pattern is not None:
             found = pattern.search(completion)
             text = ((found.group(1) or "") if found.groups() else found.group()) if found else ""
         got, want = " ".join(text.split()), " ".join(_answer(meta, answer_key).split())
@@ -169,11 +187,15 @@ def exact_match(
 
 
 def _number(text: str) -> float | None:
-    """``text`` as a number (thousands separators allowed), or None."""
-    try:
-        return float(re.sub(r"(?<=\d),(?=\d{3}\b)", "", text))
-    except ValueError:
+    """``text`` as a number (thousands separators allowed), or None: only ASCII digits, so not
+    ``inf``, ``1_0`` or other scripts' digits, which ``float`` would take.
+
+    >>> _number("1,000"), _number("12."), _number("-0.5"), _number("1_0"), _number("inf")
+    (1000.0, 12.0, -0.5, None, None)
+    """
+    if not _NUMBER_TEXT.fullmatch(text):
         return None
+    return float(text.replace(",", ""))
 
 
 @register("regex_match", check=lambda kw: _one_pattern(kw))

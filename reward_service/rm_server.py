@@ -49,14 +49,19 @@ class RewardModel:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.tokenizer.truncation_side = "left"  # keep the end of the completion: it decides the reward
         self.tokenizer.padding_side = "right"
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForSequenceClassification.from_pretrained(cfg.model, dtype=dtype).to(self.device).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(
                 f"rm.model must have one output (num_labels 1), {cfg.model} has {self.model.config.num_labels}"
             )
-        if self.model.config.pad_token_id is None:
+        # The model reads each row's reward at its last token that is not config.pad_token_id: the
+        # rows must be padded with that very id, or a short row is read on its padding (its reward
+        # then depends on what else shares the batch).
+        if self.model.config.pad_token_id is not None:
+            self.tokenizer.pad_token_id = self.model.config.pad_token_id
+        else:
+            if self.tokenizer.pad_token is None:
+                self.tokenizer.pad_token = self.tokenizer.eos_token
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
 
     def texts(self, prompts: list[str], completions: list[str]) -> list[str]:
@@ -75,7 +80,12 @@ class RewardModel:
         import torch
 
         enc = self.tokenizer(
-            texts, return_tensors="pt", padding=True, truncation=True, max_length=self.cfg.max_length
+            texts,
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=self.cfg.max_length,
+            add_special_tokens=not self.cfg.chat_template,  # the template wrote them (a second BOS else)
         ).to(self.device)
         with torch.inference_mode():
             logits = self.model(**enc).logits

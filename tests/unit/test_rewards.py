@@ -74,6 +74,29 @@ def test_math_reads_latex_references_and_the_stated_answer() -> None:
         b.math_answer([""], ["\\boxed{1}"], [{"answer": "}{"}])
 
 
+def test_math_reads_the_answer_after_the_reasoning_only() -> None:
+    """A tag inside <think> is reasoning, not the answer; and prose after </think> must state its
+    answer (its last number may be a check of it)."""
+    assert b.math_answer([""], ["<think>is it <answer>3</answer>?</think> So \\boxed{5}"], [{"answer": "5"}]) == [1.0]
+    checked = ["</think>\nThe final answer is 5. Check: 5 + 2 = 7"]
+    assert b.math_answer([""], checked, [{"answer": "5"}]) == [1.0]
+    assert b.math_answer([""], checked, [{"answer": "7"}]) == [0.0]
+
+
+def test_exact_match_reads_the_last_number_in_one_pass() -> None:
+    """A comma after the answer is punctuation (the default regex took "42," and scored 0), and a
+    long run of digits and commas (a completion cut at its budget) is read in linear time (the
+    regex's look-ahead backtracked: 1.3 s on 8,000 characters, past a reward timeout at 40,000)."""
+    texts = ["The answer is 42, as required.", "it is 1,000, so", "3, then 4,", "none"]
+    golds = [{"answer": "42"}, {"answer": "1000"}, {"answer": "4"}, {"answer": "0"}]
+    assert b.exact_match([""] * 4, texts, golds) == [1.0, 1.0, 1.0, 0.0]
+    assert b.exact_match([""], ["x 12"], [{"answer": "12."}]) == [1.0]
+    assert b.exact_match([""], ["1_0"], [{"answer": "10"}], extract=None) == [0.0]  # no number to float()
+    start = time.perf_counter()
+    assert b.exact_match([""], ["1," * 40_000 + "a9"], [{"answer": "9"}]) == [1.0]
+    assert time.perf_counter() - start < 1.0
+
+
 def test_exact_match_regex_match_and_format() -> None:
     assert b.exact_match([""] * 3, ["it is 8", "8 or 9", "  8 "], META * 3) == [1.0, 0.0, 1.0]
     numbers = ["The answer is 1,000.", "1000", "42.0", "-3"]

@@ -72,3 +72,23 @@ def test_health_says_when_the_batcher_is_gone() -> None:
             assert health.status == 503 and "the batcher stopped" in (await health.json())["status"]
 
     asyncio.run(scenario())
+
+
+def test_a_short_text_scores_the_same_alone_and_beside_a_long_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The model reads a row's reward at its last token that is not config.pad_token_id; a model
+    whose pad id is not the tokenizer's had its short rows padded with another id and read on
+    their padding: their reward depended on what else shared the batch."""
+    import json
+
+    from flywheel.tiny import build_reward_model
+    from reward_service.rm_server import RewardModel
+
+    path = build_reward_model(tmp_path / "rm")
+    config = json.loads((path / "config.json").read_text())
+    config["pad_token_id"] = 0  # the tokenizer's pad token is <pad> (3)
+    (path / "config.json").write_text(json.dumps(config))
+    model = RewardModel(RewardModelConfig(model=str(path)))
+    short = "What is 3 + 5? Answer: 8"
+    alone = model.score([short])[0]
+    beside = model.score([short, short + " and then a good deal more text to pad the short row out"])[0]
+    assert abs(alone - beside) < 1e-4, (alone, beside)
