@@ -471,6 +471,10 @@ class SyncJoin(Message, tag=True):
     # the learner's, or an update failed half-way): the learner sends it the current ones even
     # when its version looks current
     needs_weights: bool = False
+    # True once, as it stops (drained, or shut down): the learner leaves it out of the next syncs at
+    # once rather than name it for member_timeout_s more, each such sync waiting out its deadline
+    # for ranks that never come (and the whole fleet paused meanwhile)
+    leaving: bool = False
 
     def check(self) -> None:
         _require(0 < len(self.generator_id) <= 128, "generator_id", "must be 1..128 characters")

@@ -196,6 +196,8 @@ class GeneratorService:
         )
 
     async def _shutdown(self) -> None:
+        if self.sync is not None:
+            self.sync.leave(self.version)
         held = list(self.samples)
         for lease_id in held:
             self._cancel_lease(lease_id)

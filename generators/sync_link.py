@@ -59,6 +59,12 @@ class SyncLink:
             with contextlib.suppress(zmq.Again):
                 self.dealer.send(encode(msg), zmq.NOBLOCK)
 
+    def leave(self, version: int) -> None:
+        """This generator stops: out of the next syncs at once (sent once; close gives it time to go)."""
+        msg = SyncJoin(generator_id=self.generator_id, version=version, workers=self.workers, leaving=True)
+        with contextlib.suppress(zmq.Again):
+            self.dealer.send(encode(msg), zmq.NOBLOCK)
+
     def poll(self) -> list[tuple[WeightsReady, bytes]]:
         """Every valid WeightsReady received (with its encoded form, passed on to the workers)."""
         self._drain_dealer()
@@ -97,4 +103,4 @@ class SyncLink:
 
     def close(self) -> None:
         self.sub.close(linger=0)
-        self.dealer.close(linger=0)
+        self.dealer.close(linger=500)  # a leave still queued gets half a second; a learner away costs no more

@@ -168,7 +168,11 @@ class WeightBroadcaster:
                 self.rejects.reject("identity_mismatch", f"{type(msg).__name__} for {msg.generator_id!r}", identity)
                 continue
             now = time.monotonic()
-            if isinstance(msg, SyncJoin):
+            if isinstance(msg, SyncJoin) and msg.leaving:
+                if self.members.pop(msg.generator_id, None) is not None:
+                    log.info("generator %s stops: leaves the weight sync", msg.generator_id)
+                self.quarantine.clear(msg.generator_id)
+            elif isinstance(msg, SyncJoin):
                 if msg.generator_id not in self.members:
                     log.info(
                         "generator %s joins the weight sync (v%d, %d workers)",

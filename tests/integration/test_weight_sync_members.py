@@ -147,3 +147,39 @@ def test_a_generator_that_never_comes_to_the_rendezvous_stops_failing_the_fleets
         member.kill()
         member.wait(timeout=10)
         wb.close()
+
+
+def test_a_generator_that_stops_leaves_the_next_sync_at_once() -> None:
+    """A generator drained away (the autoscaler's scale-down, a SIGTERM) sent no word: it stayed a
+    member for member_timeout_s after its last SyncJoin, and a sync announced meanwhile named it
+    and waited out its whole deadline for ranks that never came, the rest of the fleet paused.
+    It says it leaves as it stops; the next sync is the others' alone."""
+    cfg = SyncConfig(announce_port=free_port(), join_port=free_port(), timeout_s=20, member_timeout_s=30)
+    wb = WeightBroadcaster(cfg)
+    tensors = {"w": torch.ones(1000), "b": torch.full((10,), 2.0)}
+    member = start_member((cfg.announce_port, cfg.join_port), "gen0")
+    leaver = SyncLink("127.0.0.1", cfg.announce_port, cfg.join_port, "gen1", 1)
+    stop = threading.Event()
+
+    def heartbeats() -> None:  # a member until it stops
+        while not stop.is_set():
+            leaver.join(0, every_s=0.1)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=heartbeats, daemon=True)
+    thread.start()
+    try:
+        assert wb.wait_for_members(2, timeout_s=30)
+        stop.set()
+        thread.join(timeout=5)
+        leaver.leave(0)
+        leaver.close()
+        wait_until(lambda: wb.poll(50) or "gen1" not in wb.members, 5, "gen1 out of the sync")
+        started = time.monotonic()
+        report = wb.sync(1, tensors.items())
+        assert report.members == ["gen0"] and report.acked == ["gen0"], report
+        assert time.monotonic() - started < 10  # not the 20 s deadline
+    finally:
+        member.kill()
+        member.wait(timeout=10)
+        wb.close()
