@@ -156,6 +156,7 @@ class Hub:
         self._last_reap = 0.0
         self._to_reap = 0  # groups learners dropped and the hub has not cleaned up (LLEN, read with each write)
         self._last_expiry = 0.0
+        self._behind_since: float | None = None  # turns have ended with input still unread since
         self._doom_floor = 0  # the oldest version a group may hold, when groups were last checked
         self._late_doomed: set[int] = set()  # groups whose first token came in since, already below it
         # leases revoked with their doomed group, and those groups: what their generators and
@@ -213,6 +214,9 @@ class Hub:
         poller.register(self.reward_sock, zmq.POLLIN)
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         next_tick = 0.0
+        started = time.monotonic()
+        for peer in (*self.generators.values(), *self.reward_workers.values()):
+            peer.last_seen = started  # the time recovery took is no silence of theirs
         while not self._stopping and (deadline is None or time.monotonic() < deadline):
             ready = dict(poller.poll(timeout=int(TICK_S * 1000)))
             self._turn_started = time.monotonic()
@@ -407,6 +411,9 @@ class Hub:
         The hot path of the hub: locals and one pass, no per-chunk Redis call.
         """
         acks = self._acks[identity]
+        gen = self.generators.get(identity.decode(errors="replace"))
+        if gen is not None and gen.identity == identity:
+            gen.last_seen = time.monotonic()  # chunks say it is alive as well as a heartbeat does
         leases, groups, turn_chunks = self.leases, self.groups, self._turn_chunks
         deadline = time.time() + self.hcfg.lease_timeout_s
         stats = self.stats
@@ -657,13 +664,24 @@ class Hub:
         if self.cfg.async_.revoke_stale:
             self._drop_doomed()
         self._note_data_done()
-        if now - self._last_expiry >= EXPIRY_S:
+        if now - self._last_expiry >= EXPIRY_S and not self._deaf(now):
             self._last_expiry = now
             self._expire(now)
             self._expire_scores(now)
         if now - self._last_stats >= self.hcfg.stats_interval_s:
             self._last_stats = now
             self._log_stats()
+
+    def _deaf(self, now: float) -> bool:
+        """Whether input is still unread (the turn ended at max_turn_items, after a stall or under a
+        burst): a peer's heartbeat may wait in it, and its silence is then the hub's own. Expiry
+        waits for the hub to catch up, but no longer than a generator timeout."""
+        if self._turn_items < self.hcfg.max_turn_items:
+            self._behind_since = None
+            return False
+        if self._behind_since is None:
+            self._behind_since = now
+        return now - self._behind_since < self.hcfg.generator_timeout_s
 
     def _note_data_done(self) -> None:
         """Tell the learner when nothing more will come: the prompts are spent and no group is

@@ -360,3 +360,29 @@ def test_metrics_endpoint_reports_queues_and_rates(cluster: Cluster) -> None:
     log = cluster.hub.log_path.read_text() if cluster.hub else ""
     assert "tok/s" in log
     assert "without append-only persistence" not in log  # the test Redis runs with AOF
+
+
+def test_a_stalled_hub_evicts_nobody_whose_heartbeat_waits_in_its_backlog(cluster: Cluster) -> None:
+    """The hub stops reading for longer than the generator timeout (a stall: here SIGSTOP). Its
+    first turns after it takes at most max_turn_items messages: it evicted every generator whose
+    heartbeat still waited unread behind the others' chunks, re-issuing their leases (and on
+    their next heartbeat they registered again, dropping their work). A generator's chunks now
+    say it is alive too, and nobody is evicted while input waits unread."""
+    import os
+    import signal
+
+    cluster.start_hub("--hub.generator_timeout_s", "3", "--hub.max_turn_items", "4", "--async.max_staleness", "8")
+    for i in range(3):
+        cluster.start_simgen(f"sim{i}", "--min-len", "40", "--max-len", "400", "--capacity", "8", "--seed", str(i))
+    wait_until(lambda: cluster.metrics()["flywheel_hub_generators"] == 3, 60, "three generators")
+    wait_until(lambda: cluster.metrics()["flywheel_hub_chunks_in_total"] > 50, 60, "chunks flowing")
+    assert cluster.hub is not None
+    os.kill(cluster.hub.pid, signal.SIGSTOP)
+    try:
+        time.sleep(6)
+    finally:
+        os.kill(cluster.hub.pid, signal.SIGCONT)
+    time.sleep(6)
+    m = cluster.metrics()
+    assert m["flywheel_hub_generators_evicted_total"] == 0, cluster.hub.tail(30)
+    assert m["flywheel_hub_generators"] == 3
