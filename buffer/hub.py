@@ -215,11 +215,13 @@ class Hub:
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         next_tick = 0.0
         started = time.monotonic()
-        for peer in (*self.generators.values(), *self.reward_workers.values()):
+        for peer in self._peers():
             peer.last_seen = started  # the time recovery took is no silence of theirs
         while not self._stopping and (deadline is None or time.monotonic() < deadline):
             ready = dict(poller.poll(timeout=int(TICK_S * 1000)))
             self._turn_started = time.monotonic()
+            self._excuse_own_stall(self._turn_started - started)
+            started = self._turn_started
             self._turn_items = 0
             if self.reward_sock in ready:  # scores first: small, and they make groups ready
                 self._drain(self.reward_sock)
@@ -671,6 +673,18 @@ class Hub:
         if now - self._last_stats >= self.hcfg.stats_interval_s:
             self._last_stats = now
             self._log_stats()
+
+    def _excuse_own_stall(self, since_last_turn: float) -> None:
+        """A turn that came long after the last (this process stopped, a Redis call that blocked)
+        heard nobody meanwhile: that time is the hub's silence, not its peers', and counts
+        against no one's timeout."""
+        stalled = since_last_turn - TICK_S
+        if stalled > 1.0:
+            for peer in self._peers():
+                peer.last_seen += stalled
+
+    def _peers(self) -> list[GeneratorInfo | RewardWorker]:
+        return [*self.generators.values(), *self.reward_workers.values()]
 
     def _deaf(self, now: float) -> bool:
         """Whether input is still unread (the turn ended at max_turn_items, after a stall or under a

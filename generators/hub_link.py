@@ -135,6 +135,8 @@ class HubLink:
         self._backoff = 1
         self._last_heartbeat = 0.0
         self._last_resend_check = 0.0
+        self._last_resend_round = 0.0
+        self._last_heard = 0.0  # when the hub last sent anything
         self.weight_version = 0
         self.lease_ids: set[int] = set()
         self.draining = False
@@ -221,6 +223,16 @@ class HubLink:
             due.append(c)
         if not due:
             return 0
+        if self._last_heard < self._last_resend_round:
+            # Not a word from the hub since the last round: its copies are on their way still
+            # (ZeroMQ queues them while the hub is away and delivers them when it is back). The
+            # whole window again each round would pile up copy after copy in memory and reach a
+            # restarted hub as one burst of duplicates: one probe a round instead, and the rest
+            # goes at the first round after the hub answers.
+            if now - self._last_resend_round < timeout:
+                return 0
+            due = due[:1]
+        self._last_resend_round = now
         self.resent += len(due)
         self._backoff = min(2 * self._backoff, MAX_BACKOFF)
         for c in due:  # re-inserted at the end by send_chunks, keeping the order
@@ -272,6 +284,7 @@ class HubLink:
             except WireError as err:
                 self.rejects.reject(err.reason, err, "hub")
                 continue
+            self._last_heard = time.monotonic()
             if isinstance(msg, ChunkAck):
                 pop = self.unacked.pop
                 keys = zip(

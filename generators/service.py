@@ -136,14 +136,19 @@ class GeneratorService:
         start = time.monotonic()
         interval = self.gcfg.flush_interval_ms / 1000
         while not self._finished(start, max_seconds):
+            self._raise_failure()  # before the tick: it would flush what a failed update left
             self._tick()
             self._schedule_update()
-            if self._failure is not None:
-                raise RuntimeError("a generation or weight-update task failed") from self._failure
+            self._raise_failure()
             await asyncio.sleep(interval)
         if self._update_task is not None:
             await asyncio.wait([self._update_task], timeout=self.cfg.sync.timeout_s + 10)
+        self._raise_failure()  # an update that failed while the loop ended: no clean exit
         await self._shutdown()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError("a generation or weight-update task failed") from self._failure
 
     def drain(self) -> None:
         """SIGTERM: take no new leases, finish what is held (for at most drain_timeout_s)."""

@@ -366,8 +366,9 @@ def test_a_stalled_hub_evicts_nobody_whose_heartbeat_waits_in_its_backlog(cluste
     """The hub stops reading for longer than the generator timeout (a stall: here SIGSTOP). Its
     first turns after it takes at most max_turn_items messages: it evicted every generator whose
     heartbeat still waited unread behind the others' chunks, re-issuing their leases (and on
-    their next heartbeat they registered again, dropping their work). A generator's chunks now
-    say it is alive too, and nobody is evicted while input waits unread."""
+    their next heartbeat they registered again, dropping their work). The hub's own stall now
+    counts against no one, a generator's chunks say it is alive as its heartbeats do, and nobody
+    is evicted while input waits unread."""
     import os
     import signal
 

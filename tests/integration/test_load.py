@@ -85,6 +85,44 @@ def test_resends_back_off_and_follow_the_ack_latency(monkeypatch: pytest.MonkeyP
         hub.close(linger=0)
 
 
+def test_a_hub_away_gets_one_copy_of_the_window_not_one_a_resend_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZeroMQ queues what a generator sends while the hub is away and delivers it all when the hub
+    is back: each resend round queued the whole unacknowledged window again, copy after copy in
+    the generator's memory, then one burst of duplicates into the restarted hub. While the hub
+    says nothing, a round resends one chunk (a probe); the rest goes once the hub answers."""
+    from flywheel.redis_server import free_port
+    from flywheel.wire import Decoder, ToHub
+
+    now = [1000.0]
+    monkeypatch.setattr(hub_link, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    port = free_port()
+    link = HubLink(f"tcp://127.0.0.1:{port}", "g0", "m", 1, resend_after_s=1.0)
+    hub = zmq.Context.instance().socket(zmq.ROUTER)
+    hub.setsockopt(zmq.LINGER, 0)
+    try:
+        link.send_chunks([_chunk(i) for i in range(600)])
+        rounds = 0
+        for _ in range(320):  # 40 s with the hub away, checked every 0.125 s
+            now[0] += 0.125
+            rounds += bool(link.resend_due())
+        assert rounds >= 5
+        hub.bind(f"tcp://127.0.0.1:{port}")  # the hub is back
+        decoder, received = Decoder(ToHub), 0
+        while hub.poll(2000):
+            received += len(decoder.decode(hub.recv_multipart()[1]).chunks)  # type: ignore[attr-defined]
+        # the first send, one whole round (before the silence was known), then a chunk a round
+        assert received == 600 + 600 + (rounds - 1), (received, rounds)
+        # the hub answers: what is still unacknowledged goes again at the next round, whole
+        ack = ChunkAck(group_ids=pack_i64([7]), samples=pack_i32([0]), seqs=pack_i32([0]), rejected=[])
+        hub.send_multipart([b"g0", encode(ack)])
+        wait_until(lambda: link.poll(10).acked == 1, 5, "the ack")
+        now[0] += 1000.0
+        assert link.resend_due() == 599
+    finally:
+        link.close()
+        hub.close(linger=0)
+
+
 def test_hub_caps_registered_generators(cluster: Cluster) -> None:
     cluster.start_hub("--hub.max_generators", "2", "--hub.generator_timeout_s", "2")
     gens = [HandGenerator(cluster.gen_address, f"g{i}") for i in range(3)]
