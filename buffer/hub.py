@@ -675,22 +675,25 @@ class Hub:
             self._log_stats()
 
     def _excuse_own_stall(self, since_last_turn: float) -> None:
-        """A turn that came long after the last (this process stopped, a Redis call that blocked)
-        heard nobody meanwhile: that time is the hub's silence, not its peers', and counts
-        against no one's timeout."""
+        """A turn that came long after the last (this process stopped, a Redis call that blocked
+        for seconds) heard nobody meanwhile: that time is the hub's silence, not its peers', and
+        counts against no one's heartbeat timeout. Only a stall of half a timeout or more: turns
+        merely slow (each well under it) must not keep a dead peer's silence from adding up."""
         stalled = since_last_turn - TICK_S
-        if stalled > 1.0:
+        if stalled >= self.hcfg.generator_timeout_s / 2:
+            now = time.monotonic()
             for peer in self._peers():
-                peer.last_seen += stalled
+                peer.last_seen = min(now, peer.last_seen + stalled)
 
     def _peers(self) -> list[GeneratorInfo | RewardWorker]:
         return [*self.generators.values(), *self.reward_workers.values()]
 
     def _deaf(self, now: float) -> bool:
-        """Whether input is still unread (the turn ended at max_turn_items, after a stall or under a
-        burst): a peer's heartbeat may wait in it, and its silence is then the hub's own. Expiry
-        waits for the hub to catch up, but no longer than a generator timeout."""
-        if self._turn_items < self.hcfg.max_turn_items:
+        """Whether input is still unread (after a stall, or under a burst): a peer's heartbeat may
+        wait in it, and its silence is then the hub's own. Expiry waits for the hub to catch up,
+        but no longer than a generator timeout."""
+        unread = any(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN for sock in (self.gen_sock, self.reward_sock))
+        if not unread:
             self._behind_since = None
             return False
         if self._behind_since is None:

@@ -131,6 +131,14 @@ class GeneratorService:
     # ------------------------------------------------------------------ main loop
 
     async def run(self, max_seconds: float | None = None) -> None:
+        try:
+            await self._serve(max_seconds)
+        except BaseException:
+            if self.sync is not None:  # failing (or cancelled): out of the next weight syncs at once
+                self.sync.leave(self.version)
+            raise
+
+    async def _serve(self, max_seconds: float | None) -> None:
         self.link.draining = not self.weights_valid  # told with the first heartbeat, right after
         self.link.register(self.version)
         start = time.monotonic()

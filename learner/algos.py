@@ -287,8 +287,8 @@ def policy_loss_terms(
     ``cap_mode`` ``mask`` gives a weight above ``is_cap`` 0 instead (AReaL's decoupled PPO drops
     those tokens). A token whose behaviour log-probability is the generator's floor (the sampler
     gave it none: ``INVALID_LOGPROB``) has no ratio at all: its loss is 0 (its weight was +inf,
-    and under ``none`` the loss NaN), though it still counts in the aggregation's denominator,
-    as the trainer's global normalisation counts it.
+    and under ``none`` the loss NaN). (The trainer leaves such tokens out of its mask as well:
+    no other loss term takes them, nor does the step's normalisation count them.)
     """
     mask = mask_BT.float()
     valid = behav_logprobs_BT > INVALID_LOGPROB

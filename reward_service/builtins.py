@@ -69,8 +69,8 @@ def math_answer(
     reference symbolically (1/2 == 0.5).
 
     The reference is read as LaTeX in a ``\\boxed{}`` (as verl does): bare, ``3\\sqrt{2}`` read
-    as 3 and ``\\sqrt{2}`` as nothing. The answer is the last ``<answer>…</answer>`` block when
-    there is one, else what follows the last ``</think>``, else a completion that is nothing but
+    as 3 and ``\\sqrt{2}`` as nothing. The answer is the last ``<answer>…</answer>`` block after
+    the last ``</think>`` when there is one, else what follows the last ``</think>``, else a completion that is nothing but
     an expression (``12``, ``$x^2+1$``: the prompt asked for the bare answer). Prose with none of
     these must state its answer (a ``\\boxed{}``, or "the answer is …", as Open-R1 asks): its
     last number is no answer, it may be a step of the reasoning.
@@ -120,21 +120,23 @@ _PROSE = re.compile(r"[^\W\d_]{2,}")  # a word of two letters or more (x^2 is no
 
 
 def _final_answer(completion: str) -> tuple[str, bool]:
-    """Where a completion states its answer, and whether that place holds nothing else. Only what
-    follows the last ``</think>`` counts (a number or a tag in the reasoning is no answer): its
-    last ``<answer>`` block, else all of it, marked off when it is no prose, only an expression
-    (in prose, "The answer is 5. Check: 5 + 2 = 7" states 5, not its last number).
+    """Where a completion states its answer, and whether that place holds nothing else: the last
+    ``<answer>`` block after the last ``</think>`` (a tag inside the reasoning is no answer), else
+    what follows the last ``</think>`` (a number in the reasoning is no answer), else the whole
+    completion (marked off when it is no prose, only an expression).
 
     >>> _final_answer("<think>is it <answer>3</answer>?</think> So <answer>5</answer>")
     ('5', True)
-    >>> _final_answer("</think>The answer is 5. Check: 5 + 2 = 7")
-    ('The answer is 5. Check: 5 + 2 = 7', False)
+    >>> _final_answer("<think>7?</think>Therefore x = 42")
+    ('Therefore x = 42', True)
     """
-    after = completion.rpartition("</think>")[2]
+    _, think_end, after = completion.rpartition("</think>")
     tagged = _ANSWER_TAG.findall(after)
     if tagged:
         return str(tagged[-1]), True
-    return after, not _PROSE.search(_LATEX_COMMAND.sub(" ", after))
+    if think_end:
+        return after, True
+    return completion, not _PROSE.search(_LATEX_COMMAND.sub(" ", completion))
 
 
 LAST_NUMBER = "last_number"  # exact_match's default extraction

@@ -75,12 +75,11 @@ def test_math_reads_latex_references_and_the_stated_answer() -> None:
 
 
 def test_math_reads_the_answer_after_the_reasoning_only() -> None:
-    """A tag inside <think> is reasoning, not the answer; and prose after </think> must state its
-    answer (its last number may be a check of it)."""
+    """A tag inside <think> is reasoning, not the answer (it was taken before a boxed answer after
+    </think>); what follows </think> is the answer's place, prose or not."""
     assert b.math_answer([""], ["<think>is it <answer>3</answer>?</think> So \\boxed{5}"], [{"answer": "5"}]) == [1.0]
-    checked = ["</think>\nThe final answer is 5. Check: 5 + 2 = 7"]
-    assert b.math_answer([""], checked, [{"answer": "5"}]) == [1.0]
-    assert b.math_answer([""], checked, [{"answer": "7"}]) == [0.0]
+    final = ["<think>7?</think>Therefore x = 42", "</think>The result is $42$.", "</think>So the answer is 42."]
+    assert b.math_answer([""] * 3, final, [{"answer": "42"}] * 3) == [1.0] * 3
 
 
 def test_exact_match_reads_the_last_number_in_one_pass() -> None:
