@@ -105,6 +105,20 @@ def test_a_generator_replaced_between_syncs_gets_a_group_of_its_own() -> None:
         wb.close()
 
 
+def joining(link: SyncLink) -> tuple[threading.Event, threading.Thread]:
+    """A thread sending ``link``'s SyncJoin at every heartbeat (0.1 s) until the event is set."""
+    stop = threading.Event()
+
+    def heartbeats() -> None:
+        while not stop.is_set():
+            link.join(0, every_s=0.1)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=heartbeats, daemon=True)
+    thread.start()
+    return stop, thread
+
+
 def test_a_generator_that_never_comes_to_the_rendezvous_stops_failing_the_fleets_syncs(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -119,15 +133,7 @@ def test_a_generator_that_never_comes_to_the_rendezvous_stops_failing_the_fleets
     tensors = {"w": torch.ones(1000), "b": torch.full((10,), 2.0)}
     member = start_member(ports, "gen0")
     ghost = SyncLink("127.0.0.1", cfg.announce_port, cfg.join_port, "gen1", 1)
-    stop = threading.Event()
-
-    def ghost_heartbeats() -> None:  # joins at every heartbeat, never comes to a rendezvous
-        while not stop.is_set():
-            ghost.join(0, every_s=0.1)
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=ghost_heartbeats, daemon=True)
-    thread.start()
+    stop, thread = joining(ghost)  # joins at every heartbeat, never comes to a rendezvous
     try:
         assert wb.wait_for_members(2, timeout_s=30)
         with caplog.at_level(logging.WARNING, logger="learner.weight_sync"):
@@ -159,15 +165,7 @@ def test_a_generator_that_stops_leaves_the_next_sync_at_once() -> None:
     tensors = {"w": torch.ones(1000), "b": torch.full((10,), 2.0)}
     member = start_member((cfg.announce_port, cfg.join_port), "gen0")
     leaver = SyncLink("127.0.0.1", cfg.announce_port, cfg.join_port, "gen1", 1)
-    stop = threading.Event()
-
-    def heartbeats() -> None:  # a member until it stops
-        while not stop.is_set():
-            leaver.join(0, every_s=0.1)
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=heartbeats, daemon=True)
-    thread.start()
+    stop, thread = joining(leaver)  # a member until it stops
     try:
         assert wb.wait_for_members(2, timeout_s=30)
         stop.set()
