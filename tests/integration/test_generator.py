@@ -121,7 +121,9 @@ def check_versions_and_tokens(sample: RolloutSample, prompt: np.ndarray, models:
 def test_update_mid_generation_switches_versions_inside_a_sample(
     cluster: Cluster, checkpoint_dir: Path, broadcaster: WeightBroadcaster, policy: str
 ) -> None:
-    start_hub(cluster, "--rollout.max_tokens", "200", "--rollout.temperature", "0")
+    # samples of up to 400 tokens: long enough to be mid-way when the sync lands, which takes
+    # seconds when the machine is busy (at 200, a CI run once saw the first wave end before it)
+    start_hub(cluster, "--rollout.max_tokens", "400", "--rollout.temperature", "0")
     cluster.start_generator("g0", checkpoint_dir, sync_ports(broadcaster), "--async.partial_rollout", policy)
     assert broadcaster.wait_for_members(1, timeout_s=120), "the generator never joined the weight sync"
     v0 = hf(checkpoint_dir)
