@@ -76,6 +76,13 @@ REFRESH_S = 0.05  # at most this long between reads of the learner's version / d
 # Between scans for lapsed leases, silent generators and unanswered scores: each scan walks all
 # of them, and their timeouts are seconds, so scanning at every tick was pure cost at scale.
 EXPIRY_S = 0.1
+# A lease its generator's heartbeats have not listed this long after its message went, with no
+# chunk of it come either, is taken for lost and sent again (at most LEASE_RESENDS times): a ROUTER
+# drops what it cannot deliver, e.g. to a generator reconnecting, and the lease would otherwise
+# hold its slot until hub.lease_timeout_s. A message only late costs a duplicate the generator
+# ignores.
+LEASE_LOST_S = 2.0
+LEASE_RESENDS = 3
 
 
 class Hub:
@@ -392,6 +399,32 @@ class Hub:
             lease = self.leases.get(lease_id)
             if lease is not None and lease.record.generator_id == msg.generator_id:
                 lease.record.deadline = time.time() + self.hcfg.lease_timeout_s
+                lease.confirmed = True
+        if gen.leases:
+            self._resend_lost_leases(gen, msg.lease_ids, now)
+
+    def _resend_lost_leases(self, gen: GeneratorInfo, listed: list[int], now: float) -> None:
+        """Send again the leases of ``gen`` its heartbeat does not list, ``LEASE_LOST_S`` after
+        their message went, of which no chunk came: their message was lost on the way."""
+        held = set(listed)
+        for lease_id in gen.leases:
+            lease = self.leases.get(lease_id)
+            if lease_id in held or lease is None or lease.confirmed or now - lease.sent_at < LEASE_LOST_S:
+                continue
+            group = self.groups.get(lease.record.group_id)
+            if group is None or any(
+                group.samples[s].lease_id == lease_id and (group.samples[s].chunks or group.samples[s].done is not None)
+                for s in lease.record.samples
+            ):
+                lease.confirmed = True  # its chunks came: the generator has it (and has finished it)
+                continue
+            if lease.resends >= LEASE_RESENDS:
+                continue  # lease_timeout_s re-issues it
+            lease.resends += 1
+            lease.sent_at = now
+            self.stats.leases_resent += 1
+            log.info("lease %d never reached generator %s: sent again", lease_id, gen.record.generator_id)
+            self._after_flush(self.gen_sock, gen.identity, self._lease_message(lease))
 
     def _on_release(self, identity: bytes, msg: Release) -> None:
         """A generator gave leases back unfinished: re-issue their unfinished samples now."""
@@ -648,6 +681,7 @@ class Hub:
                     response_tokens=sample.response,
                     finish_reason=sample.done.finish_reason,
                     metadata=group.meta.metadata,
+                    prompt_text=group.meta.prompt_text or None,
                 )
                 worker.inflight.add((gid, index))
                 self.score_sent[(gid, index)] = (worker.identity, now)
@@ -1007,6 +1041,7 @@ class Hub:
             metadata=prompt.metadata,
             issued_at_version=self.learner_version,
             attempt=attempt,
+            prompt_text=prompt.text,
         )
         group = OpenGroup(meta, [SampleAssembly(lease_id=-1) for _ in range(n)])
         self.groups[gid] = group
@@ -1026,16 +1061,20 @@ class Hub:
             group.samples[s].lease_id = rec.lease_id
         self._pipe.hset(self.keys.leases, rec.lease_id, pack(rec))
         self.stats.leases_issued += 1
-        msg = Lease(
+        lease.min_version, lease.sent_at, lease.confirmed, lease.resends = min_version, time.monotonic(), False, 0
+        self._after_flush(self.gen_sock, gen.identity, self._lease_message(lease))
+
+    def _lease_message(self, lease: ActiveLease) -> Lease:
+        rec = lease.record
+        return Lease(
             lease_id=rec.lease_id,
             group_id=rec.group_id,
-            prompt_tokens=group.meta.prompt_tokens,
+            prompt_tokens=self.groups[rec.group_id].meta.prompt_tokens,
             samples=rec.samples,
             sampling=rec.sampling,
-            min_version=min_version,
+            min_version=lease.min_version,
             deadline=rec.deadline,
         )
-        self._after_flush(self.gen_sock, gen.identity, msg)
 
     # ------------------------------------------------------------------ stats
 
@@ -1054,6 +1093,7 @@ class Hub:
             "leases_issued": s.leases_issued,
             "leases_reissued": s.leases_reissued,
             "leases_released": s.leases_released,
+            "leases_resent": s.leases_resent,
             "generators_evicted": s.generators_evicted,
             "generator_registrations": s.registrations,
             "reward_registrations": s.reward_registrations,

@@ -29,6 +29,9 @@ class Prompt:
     epoch: int
     tokens: np.ndarray  # int32
     metadata: Metadata
+    # The prompt as the dataset gave it, for the reward functions (``prompt_text``): decoding the
+    # tokens would give the chat template's text with its markers cut out.
+    text: str = ""
 
 
 def _detect_format(path: Path, fmt: str) -> str:
@@ -150,7 +153,7 @@ class PromptSource:
             if len(self._ids) > PROMPT_CACHE:
                 del self._ids[next(iter(self._ids))]
         meta: Metadata = {k: _scalar(row[k]) for k in self.cfg.metadata_keys if k in row}
-        return Prompt(index, epoch, ids, meta)
+        return Prompt(index, epoch, ids, meta, prompt_text(row[self.cfg.input_key]))
 
     def _tokenize(self, row: dict[str, Any]) -> np.ndarray | None:
         text = row[self.cfg.input_key]
@@ -169,6 +172,16 @@ class PromptSource:
         out = np.asarray(ids, dtype=np.int32)
         out.flags.writeable = False  # shared by every group of this prompt
         return out
+
+
+def prompt_text(value: Any) -> str:
+    """The prompt as the reward functions read it: a string as it is; of a list of chat messages,
+    the last user message's content (what a reward model's own chat template wraps)."""
+    if isinstance(value, list):
+        users = [m for m in value if isinstance(m, dict) and m.get("role") == "user"]
+        content = users[-1].get("content") if users else None
+        return content if isinstance(content, str) else json.dumps(value)
+    return str(value)
 
 
 def load_tokenizer(path: str) -> Any:

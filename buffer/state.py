@@ -124,6 +124,10 @@ class RewardWorker:
 class ActiveLease:
     record: LeaseRecord
     owner: bytes = b""  # routing identity of the generator running it; only it may send chunks
+    min_version: int = 0  # the weights version its Lease message asked for
+    sent_at: float = 0.0  # monotonic: when its Lease message was last sent
+    confirmed: bool = False  # a heartbeat listed it or a chunk of it came: the generator has it
+    resends: int = 0  # its Lease message sent again, taken for lost (Hub._resend_lost_leases)
 
     @property
     def lease_id(self) -> int:

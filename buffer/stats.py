@@ -33,6 +33,7 @@ class HubStats:
     leases_issued: int = 0
     leases_reissued: int = 0
     leases_released: int = 0  # given back by generators (draining, weights behind)
+    leases_resent: int = 0  # Lease messages sent again: their generator's heartbeats never listed them
     generators_evicted: int = 0
     registrations: int = 0
     reward_registrations: int = 0

@@ -133,6 +133,7 @@ class GroupMeta(msgspec.Struct, kw_only=True, gc=False):
     metadata: dict[str, str | int | float | bool | None]
     issued_at_version: int  # learner version when the group was issued
     attempt: int = 0  # how many times the prompt was issued before, each dropped as too stale
+    prompt_text: str = ""  # the prompt as the dataset gave it (buffer.prompts.prompt_text)
 
 
 class SampleDone(msgspec.Struct, kw_only=True, gc=False):

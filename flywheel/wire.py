@@ -372,6 +372,9 @@ class ScoreRequest(Message, tag=True):
     response_tokens: bytes  # packed int32
     finish_reason: str
     metadata: dict[str, str | int | float | bool | None] = {}  # dataset fields (e.g. the label)
+    # The prompt as the dataset gave it (a chat list: its last user message); None: the reward
+    # functions get the prompt tokens decoded
+    prompt_text: str | None = None
 
 
 class Score(Message, tag=True):

@@ -56,6 +56,7 @@ class Inbox:
 
 MAX_UNACKED_CHUNKS = 8192
 """The default flow-control window: chunks a generator may have sent and not had acknowledged."""
+FINISHED_LEASES_REMEMBERED = 4096  # far more than finish within one of the hub's lease resends
 
 
 class LatencySample:
@@ -139,6 +140,11 @@ class HubLink:
         self._last_heard = 0.0  # when the hub last sent anything
         self.weight_version = 0
         self.lease_ids: set[int] = set()
+        # The hub sends a lease again when our heartbeats do not list it (it takes the first
+        # message for lost): a copy of one held or finished must not run it twice. Finished ones,
+        # newest last (a lease dropped on a RegisterAgain or a Revoke is never sent again).
+        self._finished_leases: dict[int, None] = {}
+        self.duplicate_leases = 0
         self.draining = False
         self._registered_at = 0.0
         self.registrations = 0  # Registers sent: heartbeats carry it, a RegisterAgain echoes it
@@ -299,6 +305,9 @@ class HubLink:
                 for rej in msg.rejected:
                     self._on_rejected(rej, inbox)
             elif isinstance(msg, Lease):
+                if msg.lease_id in self.lease_ids or msg.lease_id in self._finished_leases:
+                    self.duplicate_leases += 1
+                    continue
                 self.lease_ids.add(msg.lease_id)
                 inbox.leases.append(msg)
             elif isinstance(msg, Revoke):
@@ -340,6 +349,9 @@ class HubLink:
 
     def lease_done(self, lease_id: int) -> None:
         self.lease_ids.discard(lease_id)
+        self._finished_leases[lease_id] = None
+        if len(self._finished_leases) > FINISHED_LEASES_REMEMBERED:
+            del self._finished_leases[next(iter(self._finished_leases))]
 
     def forget_chunks(self, lease_ids: list[int]) -> int:
         """Stop resending revoked leases' chunks: the hub refuses them for good (and a rejection of

@@ -37,6 +37,7 @@ class Item:
     completion_tokens: bytes
     finish_reason: str
     metadata: dict[str, Any]
+    prompt_text: str | None = None  # the prompt as the dataset gave it; None: decode the tokens
 
 
 @dataclass
@@ -99,8 +100,12 @@ class Scorer:
         decode = self.decode or (lambda ids: [""] * len(ids))
         prompt_ids = [unpack_i32(it.prompt_tokens).tolist() for it in items]
         completion_ids = [unpack_i32(it.completion_tokens).tolist() for it in items]
+        decoded = decode([ids for ids, it in zip(prompt_ids, items, strict=True) if it.prompt_text is None])
+        given = iter(decoded)
         return {
-            "prompts": decode(prompt_ids),
+            # as the dataset gave them: the tokens decoded would be the chat template's text with
+            # its special markers cut out, which a reward model would then wrap in its own template
+            "prompts": [it.prompt_text if it.prompt_text is not None else next(given) for it in items],
             "completions": decode(completion_ids),
             "metadata": [dict(it.metadata) for it in items],
             "prompt_ids": prompt_ids,

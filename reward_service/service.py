@@ -142,6 +142,7 @@ class RewardService:
                     completion_tokens=req.response_tokens,
                     finish_reason=req.finish_reason,
                     metadata=dict(req.metadata),
+                    prompt_text=req.prompt_text,
                 )
             )
 

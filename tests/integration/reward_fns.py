@@ -58,3 +58,11 @@ def slow_batches(prompts: list[str], completions: list[str], metadata: list[dict
 def huge(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any) -> list[Any]:
     """Finite values that break a float: an int past any float, and 1e308 (twice it is inf)."""
     return [10**400 if len(ids) % 2 else 1e308 for ids in kwargs["completion_ids"]]
+
+
+def prompt_is_the_question(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
+    """1 when the prompt the function gets is the dataset's question itself (``metadata.prompt``),
+    not the chat template's text around it."""
+    return [
+        {"reward": float(p == m.get("prompt")), "chars": float(len(p))} for p, m in zip(prompts, metadata, strict=True)
+    ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Any
 
 import msgspec
 import pytest
@@ -12,7 +13,7 @@ import zmq
 from flywheel.hub_client import BatchClient
 from flywheel.staleness import StalenessPolicy
 from flywheel.store import RunKeys
-from flywheel.wire import ChunkBatch, Release, Score, encode, pack_f32
+from flywheel.wire import ChunkBatch, Lease, Release, Score, WireError, encode, pack_f32
 from tests.conftest import Cluster, wait_until
 from tests.integration.handgen import HandGenerator, expected_sample, make_chunk
 
@@ -387,3 +388,73 @@ def test_a_stalled_hub_evicts_nobody_whose_heartbeat_waits_in_its_backlog(cluste
     m = cluster.metrics()
     assert m["flywheel_hub_generators_evicted_total"] == 0, cluster.hub.tail(30)
     assert m["flywheel_hub_generators"] == 3
+
+
+def test_a_lease_whose_message_was_lost_is_sent_again_not_held_until_its_timeout(cluster: Cluster) -> None:
+    """A ROUTER drops what it cannot deliver (a generator reconnecting): a lease the generator's
+    heartbeats never list, with no chunk of it come, goes out again within seconds, not after
+    hub.lease_timeout_s (60 s here) with its slot and its group held all along."""
+    cluster.start_hub("--data.n_samples_per_prompt", "2", "--async.groups_per_step", "1", "--async.max_staleness", "0")
+    g = HandGenerator(cluster.gen_address, "gen-lossy", capacity=1)
+    lost: list[Lease] = []
+
+    class LosesTheFirstLease:  # the message is gone before the generator could act on it
+        def __init__(self, decoder: Any) -> None:
+            self.decoder = decoder
+
+        def decode(self, frame: bytes) -> Any:
+            msg = self.decoder.decode(frame)
+            if isinstance(msg, Lease) and not lost:
+                lost.append(msg)
+                raise WireError("lost", "lease", "dropped by the test")
+            return msg
+
+    g.link.decoder = LosesTheFirstLease(g.link.decoder)
+    g.register()
+    again = g.wait_lease(timeout_s=10)
+    assert lost and (again.lease_id, again.group_id, again.samples) == (
+        lost[0].lease_id,
+        lost[0].group_id,
+        lost[0].samples,
+    )
+    assert metrics(cluster)["flywheel_hub_leases_resent_total"] == 1
+    for s in again.samples:
+        g.send(make_chunk(again, s, 0, 0, final=True))
+    pump_until(g, lambda: metrics(cluster)["flywheel_hub_samples_completed_total"] == 2, "its samples complete")
+    g.pump(2.5)  # heartbeats that no longer list it: finished (its chunks came), not lost
+    assert metrics(cluster)["flywheel_hub_leases_resent_total"] == 1
+    g.close()
+
+
+def test_a_lease_sent_again_runs_once_on_the_generator() -> None:
+    """The hub's second copy of a lease the generator holds or has finished is not work again."""
+    from flywheel.wire import SamplingParams, pack_i32
+    from generators.hub_link import HubLink
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    link = HubLink(f"tcp://127.0.0.1:{port}", "gen-dup", "hand", 2)
+    try:
+        link.register(0)
+        identity, _ = router.recv_multipart()
+        lease = Lease(
+            lease_id=7, group_id=3, prompt_tokens=pack_i32([1, 2]), samples=[0], sampling=SamplingParams(),
+            min_version=0, deadline=time.time() + 60,
+        )  # fmt: skip
+
+        def deliver() -> list[Lease]:
+            router.send_multipart([identity, encode(lease)])
+            return wait_until(lambda: link.poll(50).leases or None, 5, "the lease", poll_s=0)
+
+        assert [x.lease_id for x in deliver()] == [7]
+        router.send_multipart([identity, encode(lease)])  # a copy while it runs
+        time.sleep(0.2)
+        assert link.poll(50).leases == [] and link.duplicate_leases == 1
+        link.lease_done(7)
+        router.send_multipart([identity, encode(lease)])  # a copy after it finished
+        time.sleep(0.2)
+        assert link.poll(50).leases == [] and link.duplicate_leases == 2
+    finally:
+        link.close()
+        router.close(0)

@@ -72,6 +72,17 @@ def test_parallel_services_and_workers_score_every_sample_exactly_once(cluster: 
     assert len(pids) >= 3, f"work spread over the 4 worker processes of 2 services, got {len(pids)}"
 
 
+def test_reward_functions_get_the_prompt_as_the_dataset_gave_it_not_its_chat_template(cluster: Cluster) -> None:
+    # the tokens decoded would be "user: What is ...\nassistant:" (the template's <s> cut out),
+    # which a reward model with a chat template of its own would wrap a second time
+    start_hub_and_generator(cluster, "--data.apply_chat_template", "true", "--data.metadata_keys", "[prompt, answer]")
+    cluster.start_reward("--reward.functions", f"{FNS}:prompt_is_the_question")
+    wait_until(lambda: cluster.metrics()["flywheel_hub_groups_ready_total"] >= 2, 60, "2 groups ready")
+    samples = [s for g in claim_all(cluster) for s in g.samples]
+    assert samples
+    assert all(s.reward_error is None and s.reward == 1.0 for s in samples), [s.reward_breakdown for s in samples]
+
+
 def test_raising_and_nan_rewards_are_errors_with_the_fixed_reward(cluster: Cluster) -> None:
     start_hub_and_generator(cluster, "--reward.on_error", "assign", "--reward.error_reward", "-1")
     cluster.start_reward(

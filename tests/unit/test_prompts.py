@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from buffer.prompts import PromptSource, load_rows
+from buffer.prompts import PromptSource, load_rows, prompt_text
 from flywheel.config import DataConfig
 from flywheel.tiny import arithmetic_rows
 
@@ -49,6 +49,18 @@ def test_seeded_shuffle_per_epoch(sources: dict[str, Path], tokenizer_dir: Path)
     assert plain.order(0).tolist() == list(range(20))
 
 
+def test_the_text_rewards_read_is_the_prompt_or_a_chats_last_user_message() -> None:
+    assert prompt_text("What is 2 + 2?") == "What is 2 + 2?"
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 1 + 1?"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "And 2 + 2?"},
+    ]
+    assert prompt_text(chat) == "And 2 + 2?"
+    assert prompt_text([{"role": "system", "content": "x"}]) == json.dumps([{"role": "system", "content": "x"}])
+
+
 def test_tokenize_chat_template_truncation_metadata(sources: dict[str, Path], tokenizer_dir: Path) -> None:
     base = PromptSource.from_config(DataConfig(path=str(sources["jsonl"]), tokenizer=str(tokenizer_dir)))
     p = base.prompt(0, 0)
@@ -59,6 +71,7 @@ def test_tokenize_chat_template_truncation_metadata(sources: dict[str, Path], to
     )
     text = chat.tokenizer.decode(chat.prompt(0, 0).tokens.tolist())
     assert text.startswith("<s>user: " + ROWS[0]["prompt"]) and text.endswith("assistant:")
+    assert chat.prompt(0, 0).text == base.prompt(0, 0).text == ROWS[0]["prompt"]  # what rewards read
     cut = PromptSource.from_config(
         DataConfig(
             path=str(sources["jsonl"]),

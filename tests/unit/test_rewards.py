@@ -235,6 +235,21 @@ def test_scorer_needs_a_tokenizer_only_for_text(tok: str) -> None:
     assert s.score(it)[0].reward == 2.0
 
 
+def test_functions_get_the_prompts_text_when_it_came_and_the_tokens_decoded_when_not(tok: str) -> None:
+    from transformers import AutoTokenizer
+
+    enc = AutoTokenizer.from_pretrained(tok)
+    templated = pack_i32(enc.encode("<s>user: What is 3 + 5?\nassistant:"))  # the tiny template's text
+    batch = scorer(tok, ("math", 1.0, {}))._batch(
+        [
+            Item((0, 0), templated, pack_i32(enc.encode(" 8")), "stop", {}, prompt_text="What is 3 + 5?"),
+            Item((0, 1), pack_i32(enc.encode("What is 1 + 1?")), pack_i32(enc.encode(" 2")), "stop", {}),
+            Item((0, 2), templated, pack_i32(enc.encode(" 8")), "stop", {}, prompt_text=""),
+        ]
+    )
+    assert batch["prompts"] == ["What is 3 + 5?", "What is 1 + 1?", ""]
+
+
 # --------------------------------------------------------------------------- remote endpoints
 
 
