@@ -314,7 +314,8 @@ async def remote(
 
     Connection errors, timeouts, 429 and 5xx are retried ``retries`` times with exponential
     back-off and jitter; any other status or a malformed answer fails the batch at once. All of it
-    ends within 0.8 of ``call_timeout_s`` (the service's ``reward.timeout_s``), so that a dead
+    ends within 0.8 of ``call_timeout_s`` (what is left of the service's ``reward.timeout_s`` for
+    the batch when this function starts), so that a dead
     endpoint fails the batch as such, before the pool kills the worker and retries each sample
     alone, each then waiting out the whole deadline.
     """
@@ -343,6 +344,8 @@ async def remote(
                 last = str(err)
             except (aiohttp.ClientError, TimeoutError) as err:
                 last = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    if not tries:
+        raise BatchError(f"no time left for {url}: the reward functions before it took reward.timeout_s")
     raise BatchError(f"{url} failed {tries} times; last: {last}")
 
 

@@ -17,6 +17,7 @@ import inspect
 import json
 import math
 import numbers
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,9 +78,10 @@ class Scorer:
         outcomes = [Outcome() for _ in items]
         if not items:
             return outcomes
+        started = time.monotonic()  # the pool's deadline for the batch runs from here
         batch = self._batch(items)
         for (fn, spec), label in zip(self.functions, self.labels, strict=True):
-            rewards = self._call(fn, spec, batch, list(range(len(items))))
+            rewards = self._call(fn, spec, batch, list(range(len(items))), started)
             for out, r in zip(outcomes, rewards, strict=True):
                 if out.error is not None:
                     continue
@@ -114,11 +116,13 @@ class Scorer:
         }
 
     def _call(
-        self, fn: RewardFunction, spec: FunctionSpec, batch: dict[str, Any], rows: list[int]
+        self, fn: RewardFunction, spec: FunctionSpec, batch: dict[str, Any], rows: list[int], started: float
     ) -> list[tuple[float, dict[str, float]] | str]:
         """Rewards for ``rows`` of the batch: (reward, breakdown) or an error string each."""
         sub = {k: [v[i] for i in rows] for k, v in batch.items()}
         kwargs = {**self.context, **spec.kwargs}
+        if "call_timeout_s" in self.context:  # what is left of it: the functions before took the rest
+            kwargs["call_timeout_s"] = max(0.0, self.context["call_timeout_s"] - (time.monotonic() - started))
         for k in ("prompt_ids", "completion_ids", "finish_reasons"):
             kwargs[k] = sub[k]
         try:
@@ -129,7 +133,7 @@ class Scorer:
             return [f"exception: {spec.name}: {err}"] * len(rows)
         except Exception as err:
             if len(rows) > 1:  # find the sample(s) at fault; the others still get their rewards
-                return [r for i in rows for r in self._call(fn, spec, batch, [i])]
+                return [r for i in rows for r in self._call(fn, spec, batch, [i], started)]
             return [f"exception: {spec.name}: {type(err).__name__}: {err}"]
         if not isinstance(result, list | tuple) or len(result) != len(rows):
             got = f"{len(result)} values" if isinstance(result, list | tuple) else type(result).__name__

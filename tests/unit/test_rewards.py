@@ -360,6 +360,38 @@ def test_a_dead_endpoint_fails_the_batch_within_the_services_deadline(tok: str) 
     assert all(o.error is not None and "exception: remote" in o.error and "failed 1 times" in o.error for o in out)
 
 
+def slow_first(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **_: Any) -> list[float]:
+    time.sleep(1.2)
+    return [0.0] * len(completions)
+
+
+def test_a_remote_after_a_slow_function_ends_within_the_batchs_deadline_not_its_own(tok: str) -> None:
+    """The pool's deadline runs from the batch's start: a remote that took 0.8 of the whole
+    reward.timeout_s from its own start would run past it, the worker killed mid-batch."""
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(1)  # accepts, never answers
+        url = f"http://127.0.0.1:{listening.getsockname()[1]}/score"
+        s = Scorer(
+            [
+                FunctionSpec("tests.unit.test_rewards:slow_first", 1.0, {}),
+                FunctionSpec("remote", 1.0, {"url": url, "backoff_s": 0.05, "timeout_s": 10.0, "retries": 3}),
+            ],
+            tok,
+            {"call_timeout_s": 2.0},
+        )
+        started = time.monotonic()
+        out = s.score(items([1, 2]))
+        assert time.monotonic() - started < 2.0
+    assert all(o.error is not None and "exception: remote" in o.error for o in out)
+    s = Scorer(
+        [FunctionSpec("tests.unit.test_rewards:slow_first", 1.0, {}), FunctionSpec("remote", 1.0, {"url": url})],
+        tok,
+        {"call_timeout_s": 1.0},
+    )
+    assert all(o.error is not None and "no time left for" in o.error for o in s.score(items([1])))
+
+
 def test_docstring_examples_run() -> None:
     import doctest
 
