@@ -37,6 +37,7 @@ CLOSE_TIMEOUT_S = 10.0
 """How long closing an NCCL group may take before it is left behind."""
 NCCL_WATCHDOG_GRACE_S = 60.0
 """NCCL's watchdog timeout past the group's own: ``WeightGroup.finish`` aborts the group first."""
+LEFT_CHECK_S = 0.05  # how often rank 0 asks, while it waits for the ranks, whether some will never come
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,14 @@ TRANSPORT_BACKENDS = {"gloo": "gloo", "nccl": "nccl"}
 
 class WeightSyncError(RuntimeError):
     """A weight transfer failed: bad layout, a peer missing its deadline, a transport error."""
+
+
+class RanksLeft(WeightSyncError):
+    """Rank 0 gave up the rendezvous: ``left`` ranks' generators stopped after the sync named them."""
+
+    def __init__(self, message: str, left: list[int]) -> None:
+        super().__init__(message)
+        self.left = left
 
 
 class RanksMissing(WeightSyncError):
@@ -322,8 +331,10 @@ def join_group(
     timeout_s: float,
     store: dist.TCPStore | None = None,
     device: torch.device | str = "cpu",
+    ranks_left: Callable[[], list[int]] | None = None,
 ) -> WeightGroup:
-    """Build the group (blocks until every rank joined, at most ``timeout_s``)."""
+    """Build the group (blocks until every rank joined, at most ``timeout_s``). ``ranks_left``
+    (rank 0's): ranks that will never come, whose wait is given up at once (``RanksLeft``)."""
     backend = TRANSPORT_BACKENDS.get(transport)
     if backend is None:
         raise WeightSyncError(f"transport {transport!r} does not run over a process group; use gloo or nccl")
@@ -332,7 +343,7 @@ def join_group(
         if store is None:
             store = dist.TCPStore(host, port, None, is_master=False, timeout=timeout)
         prefix = dist.PrefixStore(f"flywheel/weights/{epoch}", store)
-        _all_joined(prefix, rank, world_size, timeout_s)
+        _all_joined(prefix, rank, world_size, timeout_s, ranks_left)
         if backend == "gloo":
             # gloo listens on the address its host name resolves to (a cluster node's network
             # address) unless told: on the interface that reaches the learner instead, which is
@@ -347,7 +358,7 @@ def join_group(
             # (WeightGroup.finish), which aborts the group first
             opts._timeout = timeout + timedelta(seconds=NCCL_WATCHDOG_GRACE_S)
             pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
-    except RanksMissing:  # rank 0's: it names the absent ranks, which the learner acts on
+    except (RanksMissing, RanksLeft):  # rank 0's: it names the absent ranks, which the learner acts on
         raise
     except (RuntimeError, OSError, dist.DistStoreError) as err:
         raise WeightSyncError(
@@ -374,18 +385,33 @@ def _local_address(host: str, port: int) -> str:
         return str(probe.getsockname()[0])
 
 
-def _all_joined(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+def _all_joined(
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    ranks_left: Callable[[], list[int]] | None = None,
+) -> None:
     """A barrier on the rendezvous store before the group is built: NCCL builds its communicator
     at the first broadcast, in a call that waits for every rank with no timeout at all, so a rank
     that never came (dead, or its announcement lost) would hang rank 0 for good (one that passes
     the barrier and dies before the first broadcast is ``WeightGroup._first_broadcast``'s).
 
     Each rank also leaves its own mark, so that rank 0, when the wait runs out, can name the ranks
-    that never came (``RanksMissing``)."""
+    that never came (``RanksMissing``). A rank known gone (``ranks_left``, asked every
+    ``LEFT_CHECK_S``) ends the wait at once instead."""
     store.set(f"arrived/{rank}", "1")
     store.add("joined", 1)
     deadline = time.monotonic() + timeout_s
+    next_check = time.monotonic() + LEFT_CHECK_S
     while (joined := store.add("joined", 0)) < world_size:
+        if time.monotonic() >= next_check:
+            next_check = time.monotonic() + LEFT_CHECK_S
+            if rank == 0 and ranks_left is not None and (left := ranks_left()):
+                store.set("abandoned", "1")  # the ranks waiting here give up too, and say so
+                raise RanksLeft(f"ranks {left} left (their generators stopped) before the weight group was built", left)
+            if rank != 0 and store.check(["abandoned"]):
+                raise WeightSyncError("rank 0 gave up the weight group's rendezvous: a rank it named will not come")
         if time.monotonic() > deadline:
             message = f"{joined} of {world_size} ranks joined the weight group within {timeout_s:g}s"
             if rank != 0:

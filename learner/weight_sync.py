@@ -24,7 +24,16 @@ import zmq
 
 from flywheel.config import SecurityConfig, SyncConfig
 from flywheel.netsec import curve_server
-from flywheel.weights import RanksMissing, WeightGroup, WeightSyncError, host_store, join_group, plan_buckets, send
+from flywheel.weights import (
+    RanksLeft,
+    RanksMissing,
+    WeightGroup,
+    WeightSyncError,
+    host_store,
+    join_group,
+    plan_buckets,
+    send,
+)
 from flywheel.wire import Decoder, Rejections, SyncJoin, ToLearner, WeightsAck, WeightsReady, WireError, encode
 
 log = logging.getLogger(__name__)
@@ -300,12 +309,16 @@ class WeightBroadcaster:
                     self.cfg.timeout_s,
                     store,
                     self.device,
+                    ranks_left=self._ranks_that_left,
                 )
                 self._store_port = store.port
                 report.join_s = time.perf_counter() - t0
             assert self.group is not None
             self.group.op_timeout_s = max(deadline - time.time(), 0.1)  # no broadcast outlives the deadline
             report.broadcast_s = send(self.group, buckets, tensors)
+        except RanksLeft as err:  # not a failure of anybody's: the others get it at the next sync
+            log.info("weight sync v%d given up: %s", version, err)
+            self._close_group()
         except WeightSyncError as err:
             log.error("weight sync v%d failed: %s; the group is rebuilt at the next sync", version, err)
             if isinstance(err, RanksMissing):
@@ -326,6 +339,10 @@ class WeightBroadcaster:
                     waiting.discard(gen_id)
                     report.evicted[gen_id] = "restarted during the sync"
                     continue
+                if gen_id not in self.members:  # it said it stops: no ack will come
+                    waiting.discard(gen_id)
+                    report.evicted[gen_id] = "left the sync"
+                    continue
                 ack = self._acks.get(gen_id)
                 if ack is None or ack.epoch != self.epoch:
                     continue
@@ -343,6 +360,17 @@ class WeightBroadcaster:
                 if gen_id not in self._restarted:  # (a restarted one has joined afresh already)
                     self.members.pop(gen_id, None)  # it rejoins with its next SyncJoin
             self._close_group()
+
+    def _ranks_that_left(self) -> list[int]:
+        """The ranks of the group being built whose generator has left the sync since (it said
+        it stops, ``SyncJoin.leaving``): they will never come to its rendezvous."""
+        self.poll()
+        return [
+            rank
+            for gen_id, first in self.group_ranks().items()
+            if gen_id not in self.members
+            for rank in range(first, first + self.group_workers[gen_id])
+        ]
 
     def _quarantine_absent(self, missing: list[int]) -> None:
         for gen_id, first in self.group_ranks().items():

@@ -181,3 +181,44 @@ def test_a_generator_that_stops_leaves_the_next_sync_at_once() -> None:
         member.kill()
         member.wait(timeout=10)
         wb.close()
+
+
+def test_a_generator_that_stops_after_a_sync_named_it_does_not_cost_that_sync_its_deadline() -> None:
+    """A generator that stops (a scale-down) between the sync's announcement and its rendezvous:
+    rank 0 waited out the whole deadline (20 s here) for ranks that would never come, the rest of
+    the fleet paused; its leave now ends the wait at once, and the others have the weights at the
+    next sync."""
+    cfg = SyncConfig(announce_port=free_port(), join_port=free_port(), timeout_s=20, member_timeout_s=30)
+    wb = WeightBroadcaster(cfg)
+    tensors = {"w": torch.ones(1000), "b": torch.full((10,), 2.0)}
+    member = start_member((cfg.announce_port, cfg.join_port), "gen0")
+    leaver = SyncLink("127.0.0.1", cfg.announce_port, cfg.join_port, "gen1", 1)
+    stop, thread = joining(leaver)
+    named = threading.Event()
+
+    def leave_once_named() -> None:
+        while not leaver.poll():  # the announcement names it: it stops instead of joining
+            time.sleep(0.01)
+        stop.set()
+        thread.join(timeout=5)
+        leaver.leave(0)
+        named.set()
+
+    watcher = threading.Thread(target=leave_once_named, daemon=True)
+    try:
+        assert wb.wait_for_members(2, timeout_s=30)
+        watcher.start()
+        started = time.monotonic()
+        first = wb.sync(1, tensors.items())
+        assert named.is_set() and time.monotonic() - started < 10, first  # not the 20 s deadline
+        assert first.members == ["gen0", "gen1"] and first.evicted.get("gen1") == "left the sync", first
+        wait_until(lambda: wb.behind(2) == ["gen0"], 15, "gen0 back in the sync")
+        second = wb.sync(2, tensors.items())
+        assert second.members == ["gen0"] and second.acked == ["gen0"], second
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+        leaver.close()
+        member.kill()
+        member.wait(timeout=10)
+        wb.close()
