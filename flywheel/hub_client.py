@@ -298,10 +298,10 @@ class BatchClient:
         for (gid, version), raw in zip(pairs, raw_groups, strict=True):
             assert META in raw, f"group {gid} was ready but has no data"
             meta = unpack(GroupMeta, raw[META])
-            chunks = chunks_by_sample(raw)
+            dones = [unpack(SampleDone, raw[sample_field(s)]) for s in range(meta.n_samples)]
+            chunks = chunks_by_sample(raw, {s: done.lease_id for s, done in enumerate(dones)})
             samples = []
-            for s in range(meta.n_samples):
-                done = unpack(SampleDone, raw[sample_field(s)])
+            for s, done in enumerate(dones):
                 parts = assemble({q: c for q, c in chunks.get(s, {}).items() if q < done.n_chunks}, done.n_chunks)
                 assert len(parts.tokens) == 4 * done.n_tokens, (
                     f"group {gid} sample {s}: stored tokens do not match its record"

@@ -165,17 +165,24 @@ def assemble(chunks: dict[int, Chunk], n_chunks: int) -> AssembledSample:
     )
 
 
-def chunks_by_sample(raw: dict[bytes, bytes]) -> dict[int, dict[int, Chunk]]:
-    """Decode every chunk blob of a group hash: sample -> seq -> chunk, of each sample's newest
-    lease only. A re-issued sample's earlier chunks stay in the group's blobs beside other
-    samples' (they are dropped with the group), and its lease ids only grow, so the newest
-    lease's chunks are the sample's, whatever order the fields come in."""
+def chunks_by_sample(raw: dict[bytes, bytes], done_leases: dict[int, int] | None = None) -> dict[int, dict[int, Chunk]]:
+    """Decode every chunk blob of a group hash: sample -> seq -> chunk, of one lease each. A
+    re-issued sample's earlier chunks stay in the group's blobs beside other samples' (they are
+    dropped with the group). A finished sample's are its ``SampleDone.lease_id``'s
+    (``done_leases``); an unfinished one's, its newest lease's (lease ids only grow), whatever
+    order the fields come in."""
     out: dict[int, dict[int, Chunk]] = {}
     lease_of: dict[int, int] = {}
+    done_leases = done_leases or {}
     for name, value in raw.items():
         if name.startswith(b"c:"):
             for chunk in unpack_chunks(value):
                 s, lease = chunk.sample, chunk.lease_id
+                done = done_leases.get(s)
+                if done is not None:
+                    if lease == done:
+                        out.setdefault(s, {})[chunk.seq] = chunk
+                    continue
                 newest = lease_of.get(s, -1)
                 if lease > newest:
                     lease_of[s] = lease

@@ -61,3 +61,15 @@ def test_a_re_issued_sample_s_earlier_chunks_are_superseded_whatever_the_field_o
     assert {c.lease_id for c in by_sample[0].values()} == {4}
     assert sorted(by_sample[1]) == [0, 1], "the other sample's chunks in the same blobs are all kept"
     assert unpack_i32(assemble(by_sample[0], 2).tokens).tolist() == [0, 0, 1, 1]
+
+
+def test_a_finished_sample_is_its_done_leases_chunks_even_beside_a_newer_leases() -> None:
+    """The sample finished under lease 1 (its SampleDone says so); chunks of a newer lease of it
+    (a re-issue that raced the finish) must not replace its tokens."""
+    raw = {
+        chunk_blob_field(1, 0, 0): encode_list([_chunk(0, 0), _chunk(0, 1, final=True)]),
+        chunk_blob_field(4, 0, 0): encode_list([_chunk(0, 0, lease=4)]),
+    }
+    assert {c.lease_id for c in chunks_by_sample(raw)[0].values()} == {4}  # unfinished: the newest lease
+    by_sample = chunks_by_sample(raw, {0: 1})
+    assert {c.lease_id for c in by_sample[0].values()} == {1} and sorted(by_sample[0]) == [0, 1]
