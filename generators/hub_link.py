@@ -56,7 +56,7 @@ class Inbox:
 
 MAX_UNACKED_CHUNKS = 8192
 """The default flow-control window: chunks a generator may have sent and not had acknowledged."""
-FINISHED_LEASES_REMEMBERED = 4096  # far more than finish within one of the hub's lease resends
+ENDED_LEASES_REMEMBERED = 4096  # far more than end within one of the hub's lease resends
 
 
 class LatencySample:
@@ -141,9 +141,9 @@ class HubLink:
         self.weight_version = 0
         self.lease_ids: set[int] = set()
         # The hub sends a lease again when our heartbeats do not list it (it takes the first
-        # message for lost): a copy of one held or finished must not run it twice. Finished ones,
-        # newest last (a lease dropped on a RegisterAgain or a Revoke is never sent again).
-        self._finished_leases: dict[int, None] = {}
+        # message for lost): a copy of one held, finished or given back must not run it again.
+        # Ended ones, newest last (one dropped on a RegisterAgain or a Revoke is never sent again).
+        self._ended_leases: dict[int, None] = {}
         self.duplicate_leases = 0
         self.draining = False
         self._registered_at = 0.0
@@ -305,7 +305,7 @@ class HubLink:
                 for rej in msg.rejected:
                     self._on_rejected(rej, inbox)
             elif isinstance(msg, Lease):
-                if msg.lease_id in self.lease_ids or msg.lease_id in self._finished_leases:
+                if msg.lease_id in self.lease_ids or msg.lease_id in self._ended_leases:
                     self.duplicate_leases += 1
                     continue
                 self.lease_ids.add(msg.lease_id)
@@ -349,9 +349,12 @@ class HubLink:
 
     def lease_done(self, lease_id: int) -> None:
         self.lease_ids.discard(lease_id)
-        self._finished_leases[lease_id] = None
-        if len(self._finished_leases) > FINISHED_LEASES_REMEMBERED:
-            del self._finished_leases[next(iter(self._finished_leases))]
+        self._remember_ended(lease_id)
+
+    def _remember_ended(self, lease_id: int) -> None:
+        self._ended_leases[lease_id] = None
+        if len(self._ended_leases) > ENDED_LEASES_REMEMBERED:
+            del self._ended_leases[next(iter(self._ended_leases))]
 
     def forget_chunks(self, lease_ids: list[int]) -> int:
         """Stop resending revoked leases' chunks: the hub refuses them for good (and a rejection of
@@ -368,6 +371,8 @@ class HubLink:
         """Give leases back unfinished; the hub re-issues their unfinished samples to others."""
         if lease_ids:
             self.lease_ids.difference_update(lease_ids)
+            for lease_id in lease_ids:  # a copy the hub sent before the Release reached it is not work
+                self._remember_ended(lease_id)
             self._send(encode(Release(generator_id=self.generator_id, lease_ids=sorted(lease_ids))))
 
     def drain(self) -> None:
@@ -381,7 +386,8 @@ class HubLink:
             self.sock.send(payload, zmq.NOBLOCK)
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        # a Release or a last heartbeat still queued gets half a second; a hub away costs no more
+        self.sock.close(linger=500)
         if self._ack_log is not None:
             os.close(self._ack_log)
             self._ack_log = None

@@ -211,11 +211,14 @@ class GeneratorService:
     async def _shutdown(self) -> None:
         if self.sync is not None:
             self.sync.leave(self.version)
+        # What is finished goes out first (past the flow-control window: these are the last
+        # chunks), so a sample or lease done before the stop is not generated again elsewhere;
+        # the rest goes back to the hub, which re-issues it whole.
+        self._flush(finished_only=True)
         held = list(self.samples)
         for lease_id in held:
             self._cancel_lease(lease_id)
         self.link.release(held)
-        self._flush()
         deadline = time.monotonic() + 5.0
         while self.link.unacked and time.monotonic() < deadline:  # let the hub make our last chunks durable
             self.link.poll(20)
@@ -334,14 +337,17 @@ class GeneratorService:
             run.finish = finish if finish in FINISH_REASONS else "abort"
             return
 
-    def _flush(self) -> None:
-        """Send every sample's new tokens as one batch; retire finished samples and leases."""
-        if self.link.window_full():
+    def _flush(self, finished_only: bool = False) -> None:
+        """Send every sample's new tokens as one batch; retire finished samples and leases.
+        ``finished_only`` (at shutdown): the finished samples' last chunks, whatever the window."""
+        if self.link.window_full() and not finished_only:
             return  # flow control: tokens wait in the sample buffers until the hub catches up
         chunks = []
         for lease_id in list(self.samples):
             runs = self.samples[lease_id]
             for index in list(runs):
+                if finished_only and runs[index].finish is None:
+                    continue
                 chunk = runs[index].take_chunk()
                 if chunk is not None:
                     chunks.append(chunk)

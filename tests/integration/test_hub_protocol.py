@@ -458,3 +458,36 @@ def test_a_lease_sent_again_runs_once_on_the_generator() -> None:
     finally:
         link.close()
         router.close(0)
+
+
+def test_a_generator_stopping_sends_what_it_finished_before_it_gives_the_rest_back(cluster: Cluster) -> None:
+    """At a stop the generator service gave its leases back first and flushed after, by then with
+    nothing left to send: samples, and whole leases, finished before the stop were lost and
+    generated again elsewhere. Real hub, the service's own shutdown over a real link."""
+    import asyncio
+
+    from flywheel.config import load_config
+    from generators.service import GeneratorService, SampleRun
+
+    cluster.start_hub("--data.n_samples_per_prompt", "2", "--async.groups_per_step", "2", "--async.max_staleness", "0")
+    g = HandGenerator(cluster.gen_address, "gen-stop", capacity=2)
+    g.register()
+    pump_until(g, lambda: len(g.leases) == 2, "two leases")
+    a, b = g.leases
+
+    def run(lease: Lease, sample: int, finished: bool) -> SampleRun:
+        r = SampleRun(lease, sample)
+        r.add([5, 6, 7], [-0.5] * 3, 0)
+        r.finish = "stop" if finished else None
+        return r
+
+    service = GeneratorService(load_config([]), None, g.link, None, "gen-stop", 4096)
+    service.samples = {
+        a.lease_id: {0: run(a, 0, True), 1: run(a, 1, False)},  # half done: sample 1 goes back
+        b.lease_id: {0: run(b, 0, True), 1: run(b, 1, True)},  # done, not yet retired by a tick
+    }
+    asyncio.run(service._shutdown())
+    m = metrics(cluster)
+    assert m["flywheel_hub_samples_completed_total"] == 3
+    assert m["flywheel_hub_leases_released_total"] == 1 and m["flywheel_hub_leases_reissued_total"] == 1
+    g.close()
