@@ -561,9 +561,10 @@ class LocalLaunch:
             self.console.print(f"hub: {self.hub_ports}")
         if "reward" in start:
             self._service("reward", "reward_service", *self._flags())
-        announce, join = self._sync_ports()
-        self.overrides += ["--sync.host", self._host("learner"), "--sync.announce_port", str(announce)]
-        self.overrides += ["--sync.join_port", str(join)]
+        if "learner" in start:  # a learner run elsewhere is where the recipe's sync.* says it is
+            announce, join = self._sync_ports()
+            self.overrides += ["--sync.host", self._host("learner"), "--sync.announce_port", str(announce)]
+            self.overrides += ["--sync.join_port", str(join)]
         early = self._loads_while_warm_starting()
         if early:
             self._start_generators("--generator.model", self.base_model, "--generator.await_weights", "true")

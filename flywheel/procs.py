@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -20,6 +21,10 @@ from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+KILLED_EXIT_S = 5.0  # how long a stop waits for a process it has SIGKILLed to be gone
 
 
 class ServiceHandle(Protocol):
@@ -95,13 +100,17 @@ class Service:
             self.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM (the service drains and exits), then SIGKILL whatever of its group is left."""
+        """SIGTERM (the service drains and exits), then SIGKILL whatever of its group is left,
+        after at most ``timeout_s`` (0: at once)."""
         self.terminate()
         if self.proc.poll() is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout_s)
         self._kill_group()
-        self.proc.wait(timeout=timeout_s)
+        try:  # a SIGKILLed process is gone within moments, but not at once: a wait of 0 would raise
+            self.proc.wait(timeout=max(timeout_s, KILLED_EXIT_S))
+        except subprocess.TimeoutExpired:  # (in uninterruptible sleep: it goes when the kernel lets it)
+            log.warning("%s (pid %d) has not exited %gs after SIGKILL", self.name, self.proc.pid, KILLED_EXIT_S)
         self._group_killed = True  # (killed before its leader was reaped: never signalled again)
         self._log.close()
 

@@ -230,6 +230,20 @@ def test_pinned_services_run_on_their_cpus_and_missing_cpus_stop_the_run(tmp_pat
     assert LocalLaunch(cfg)._cpus("generator3") == {mine[0]}  # generatorN falls back to generator
 
 
+def test_the_sync_address_is_the_launchers_only_when_it_starts_the_learner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the learner run elsewhere (torchrun on another node), the generators must find it where
+    the recipe's sync.* says: the launcher overrode it with loopback and ports of its own, and
+    the fleet waited for weights that never came, with no error."""
+    monkeypatch.setattr(LocalLaunch, "_wait_generators", lambda self, n: None)
+    for services, ours in (("[generator]", False), ("[generator, learner]", True)):
+        launch = _launch(tmp_path / services, monkeypatch, [], "--launch.services", services)
+        launch._start_services()
+        gen = next(s for s in FakeService.started if s.name == "generator0")
+        assert ("--sync.announce_port" in gen.args) == ours, services
+
+
 class FakeProcess(FakeService):
     """A FakeService that can die."""
 
@@ -381,6 +395,18 @@ def test_a_scale_down_does_not_hold_the_loop_and_a_stop_meanwhile_still_drains_i
     seen = {(name, what): float(t) for name, what, t in (line.split() for line in events.read_text().splitlines())}
     assert ("generator0", "exit") in seen, "killed mid-drain, or left running"
     assert seen["hub", "term"] >= seen["generator0", "exit"]
+    assert not retired.alive() and launch.retiring == []
+
+
+def test_a_scaled_down_generator_past_its_drain_is_killed_without_ending_the_run(tmp_path: Path) -> None:
+    """Past its drain the retired generator is SIGKILLed and reaped with a wait of 0, which
+    raised TimeoutExpired (the killed process not gone yet) out of the launcher's loop: a
+    healthy run ended with a traceback."""
+    launch, _ = draining_services(tmp_path, generator0=60)
+    retired = launch.services[0]
+    launch._retire_generator(retired)
+    launch.retiring = [(svc, 0.0) for svc, _ in launch.retiring]  # its drain is over
+    launch._reap_retired()
     assert not retired.alive() and launch.retiring == []
 
 
