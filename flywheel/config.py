@@ -642,6 +642,33 @@ class AlgoConfig(_Section):
     )
     critic: CriticConfig = Field(default_factory=CriticConfig, description="Value model (PPO).")
 
+    @model_validator(mode="after")
+    def _clip_settings_need_a_clip(self) -> AlgoConfig:
+        """Under ``decoupled`` a step makes one update, so the ratio to the proximal policy (the
+        step's own weights) is 1 and never clipped; ``tis`` has no clip. Settings that shape the
+        clip would do nothing there, in silence."""
+        correction, loss, default = self.off_policy.correction, self.loss, LossConfig()
+        if correction == "none":
+            return self
+        moot = [
+            f"algo.loss.{name} {getattr(loss, name)}"
+            for name in ("clip_low", "clip_high", "dual_clip", "ratio_level")
+            if getattr(loss, name) != getattr(default, name)
+        ]
+        if moot:
+            why = (
+                "a step makes one update, so the ratio to the proximal policy (the step's own weights) is 1 "
+                "and never clipped"
+                if correction == "decoupled"
+                else "it weighs each token by its capped importance weight, with no clip"
+            )
+            raise ValueError(
+                f"{', '.join(moot)} does nothing under algo.off_policy.correction {correction}: {why}. To clip "
+                "around the behaviour policy (PPO, DAPO's clip-higher, dual clip, GSPO), set "
+                "--algo.off_policy.correction none; otherwise drop the setting"
+            )
+        return self
+
 
 class TrainConfig(_Section):
     """The learner's optimisation."""

@@ -253,8 +253,8 @@ def test_the_loss_settings_come_from_the_runs_algo_section() -> None:
     from flywheel.config import load_config
 
     cfg = load_config(
-        ["--algo.off_policy.correction", "tis", "--algo.off_policy.is_cap", "3", "--algo.loss.clip_high", "0.28"]
+        ["--algo.off_policy.correction", "none", "--algo.off_policy.is_cap", "3", "--algo.loss.clip_high", "0.28"]
     )
     loss = PolicyLossConfig.from_config(cfg)
-    assert (loss.correction, loss.is_cap, loss.clip_low, loss.clip_high) == ("tis", 3.0, 0.2, 0.28)
+    assert (loss.correction, loss.is_cap, loss.clip_low, loss.clip_high) == ("none", 3.0, 0.2, 0.28)
     assert (loss.ratio_level, loss.aggregation) == (cfg.algo.loss.ratio_level, cfg.algo.loss.aggregation)

@@ -255,10 +255,23 @@ def test_string_flags_stay_strings_and_bad_yaml_names_where(tmp_path: Path) -> N
 def test_gspo_with_a_length_weighted_aggregation_is_refused() -> None:
     """ratio_level sequence with token_mean weighed each sequence's gradient by its length, which
     GSPO's length normalisation is there to prevent."""
+    gspo = ["--algo.off_policy.correction", "none", "--algo.loss.ratio_level", "sequence"]
     with pytest.raises(ConfigError, match="add --algo.loss.aggregation seq_mean_token_mean"):
-        load_config(["--algo.loss.ratio_level", "sequence"])
-    flags = ["--algo.loss.ratio_level", "sequence", "--algo.loss.aggregation", "seq_mean_token_mean"]
+        load_config(gspo)
+    flags = [*gspo, "--algo.loss.aggregation", "seq_mean_token_mean"]
     assert load_config(flags).algo.loss.ratio_level == "sequence"
+
+
+@pytest.mark.parametrize("correction", ["decoupled", "tis"])
+@pytest.mark.parametrize(
+    "setting", [["--algo.loss.clip_high", "0.28"], ["--algo.loss.dual_clip", "3"], ["--algo.loss.clip_low", "0.1"]]
+)
+def test_clip_settings_are_refused_where_nothing_is_clipped(correction: str, setting: list[str]) -> None:
+    """One update a step: under decoupled the ratio to the proximal policy is 1, and tis has no
+    clip; clip-higher or a dual clip there did nothing, in silence (the shipped grpo.yaml set one)."""
+    with pytest.raises(ConfigError, match=f"does nothing under algo.off_policy.correction {correction}"):
+        load_config(["--algo.off_policy.correction", correction, *setting])
+    assert load_config(["--algo.off_policy.correction", "none", *setting]).algo.off_policy.correction == "none"
 
 
 def test_a_boolean_is_not_a_number(tmp_path: Path) -> None:
