@@ -168,12 +168,20 @@ def advantages(
     raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {ESTIMATORS}")
 
 
-def uniform_groups(rewards_GN: torch.Tensor) -> torch.Tensor:
-    """Dynamic filtering: True for groups whose rewards are all equal (zero advantage, no signal)."""
-    return (rewards_GN == rewards_GN[:, :1]).all(1)
+def uniform_groups(rewards_GN: torch.Tensor, valid_GN: torch.Tensor | None = None) -> torch.Tensor:
+    """Dynamic filtering: True for groups with no advantage signal: whose valid samples' rewards
+    are all equal, or with fewer than two valid samples (``valid_GN``: as ``group_advantages``
+    takes it, which gives such groups 0 throughout)."""
+    if valid_GN is None:
+        return (rewards_GN == rewards_GN[:, :1]).all(1)
+    first = rewards_GN.gather(1, valid_GN.int().argmax(1, keepdim=True))  # the first valid sample's
+    return ((rewards_GN == first) | ~valid_GN).all(1) | (valid_GN.sum(1) < 2)
 
 
 # --------------------------------------------------------------------------- KL, entropy, aggregation
+
+
+K3_LOG_RATIO_BOUND = 20.0  # as verl bounds it
 
 
 def kl_estimate(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, kind: str) -> torch.Tensor:
@@ -184,7 +192,10 @@ def kl_estimate(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, kind: 
     if kind == "k2":
         return 0.5 * log_ratio**2
     if kind == "k3":
-        return torch.exp(-log_ratio) - 1 + log_ratio  # unbiased and always >= 0
+        # unbiased and always >= 0; exp overflows past a log-ratio of -88 (a token the policy now
+        # all but rules out), and one inf, even masked (inf * 0), makes the step's loss NaN
+        log_ratio = log_ratio.clamp(-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
+        return torch.exp(-log_ratio) - 1 + log_ratio
     raise ValueError(f"unknown KL estimator {kind!r}; choose k1, k2 or k3")
 
 

@@ -439,7 +439,8 @@ class Trainer:
         stats.staleness.update(g.staleness for g in batch.groups)
         has_signal = True
         if self.cfg.algo.dynamic_filtering:
-            keep = ~algos.uniform_groups(rewards_GN)
+            valid_GN = torch.tensor([[s.finish_reason != "abort" for s in g.samples] for g in batch.groups])
+            keep = ~algos.uniform_groups(rewards_GN, valid_GN)
             stats.metrics["batch/groups_filtered"] = float((~keep).sum())
             has_signal = bool(keep.any())
             if has_signal:

@@ -135,6 +135,10 @@ def test_kl_estimators() -> None:
     close(kl_estimate(logp, ref, "k3"), [math.exp(-1.0) - 1 + 1])  # exp(ref - logp) - 1 - (ref - logp)
     with pytest.raises(ValueError, match="k1, k2 or k3"):
         kl_estimate(logp, ref, "k4")
+    # a token the policy now all but rules out (log-ratio -95): exp(95) overflowed to inf, and
+    # masked or not (inf * 0 = NaN) it made the step's loss NaN
+    far = kl_estimate(T([-100.0, -1.0]), T([-5.0, -1.0]), "k3")
+    assert torch.isfinite(far).all() and math.isfinite(aggregate(far[None], T([[0.0, 1.0]]), "token_mean").item())
 
 
 def test_aggregations() -> None:
@@ -238,6 +242,14 @@ def test_value_loss_clipping() -> None:
 
 def test_dynamic_filtering_finds_groups_without_signal() -> None:
     assert uniform_groups(T([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])).tolist() == [True, False, True]
+    # an aborted sample's reward scores a partial answer, which the advantages leave out: a group
+    # whose valid samples agree, or with one valid sample, has no signal either
+    rewards = T([[1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]])
+    valid = torch.tensor(
+        [[True, True, True, False], [False, True, True, True], [True, False, False, False], [True] * 4]
+    )
+    assert uniform_groups(rewards, valid).tolist() == [True, True, True, False]
+    assert (group_advantages(rewards, "grpo", valid_GN=valid)[:3] == 0).all()
 
 
 def test_unknown_names_are_refused() -> None:
