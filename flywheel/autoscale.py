@@ -204,13 +204,24 @@ class CommandBackend:
 
 class ServiceBackend:
     """Generators the launcher (or a test) starts and stops itself: ``start(i)`` returns a
-    handle with ``stop()``; the newest go first on scale-down (SIGTERM: they drain)."""
+    handle with ``stop()``; the newest go first on scale-down (SIGTERM: they drain).
+
+    A scale-down is done once the generator it stopped is gone (``busy`` until then, so no
+    decision is taken meanwhile): it drains for up to ``generator.drain_timeout_s``, longer than a
+    cooldown, and a scale-up meanwhile would start a generator under its index, its id at the
+    hub and its GPUs while it still holds them."""
 
     def __init__(self, start: Callable[[int], Any], stop: Callable[[Any], None], running: list[Any]) -> None:
         self._start = start
         self._stop = stop
         self.running = running
         self._indices = list(range(len(running)))  # each running handle's index, in the same order
+        self._retiring: list[Any] = []  # stopped handles (with ``alive()``) not yet gone
+
+    @property
+    def busy(self) -> bool:
+        self._retiring = [h for h in self._retiring if callable(getattr(h, "alive", None)) and h.alive()]
+        return bool(self._retiring)
 
     def replicas(self) -> int:
         return len(self.running)
@@ -224,4 +235,6 @@ class ServiceBackend:
             self._indices.append(index)
         while len(self.running) > n:
             self._indices.pop()
-            self._stop(self.running.pop())
+            handle = self.running.pop()
+            self._stop(handle)
+            self._retiring.append(handle)

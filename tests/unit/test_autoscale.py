@@ -71,6 +71,34 @@ def test_a_generator_started_after_a_scale_down_takes_the_lowest_index_free() ->
     assert started == [1, 2, 1, 2, 3] and backend.running == [0, 1, 2, 3]
 
 
+def test_no_decision_is_taken_while_a_retired_generator_drains() -> None:
+    """The cooldown (30 s) is shorter than a drain (up to 75 s): a scale-up right after a
+    scale-down started a new generator under the index, hub id and GPUs of one still draining."""
+
+    class Handle:
+        def __init__(self, i: int) -> None:
+            self.i, self.draining = i, False
+
+        def alive(self) -> bool:
+            return self.draining
+
+    started: list[int] = []
+    handles = [Handle(0), Handle(1)]
+    backend = ServiceBackend(lambda i: started.append(i) or Handle(i), lambda h: setattr(h, "draining", True), handles)
+    cfg = CFG.model_copy(update={"interval_s": 1.0, "cooldown_s": 0.0})
+    starving = {"ready_groups": 0.0, "active_leases": 8.0, "generator_capacity": 8.0, "admission_blocked_seconds": 0.0}
+    scaler = Autoscaler(cfg, backend, lambda: starving, groups_per_step=4)
+    retired = handles[1]
+    backend.scale_to(1)
+    assert backend.busy and retired.draining
+    for t in range(5):
+        assert scaler.tick(now=float(t)) is None  # starving, but the last change is not done
+    assert started == []
+    retired.draining = False  # gone
+    scaler.tick(now=10.0)
+    assert scaler.tick(now=11.0).target == 2 and started == [1]  # type: ignore[union-attr]
+
+
 def test_the_command_backend_runs_the_deployment_hook(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import sys
 
