@@ -236,6 +236,8 @@ class LocalLaunch:
         self.learner_standby_file: Path | None = None
         self.standby_learner_due: float | None = None  # when the next standby learner starts
         self.autoscaler: Autoscaler | None = None
+        # the autoscaler's most, when the GPUs hold fewer generators than autoscale.max_generators
+        self.generator_cap: int | None = None
         self.recipes: dict[str, tuple[str, list[str], dict[str, str] | None]] = {}  # how to start it again
         self.restarts: Counter[str] = Counter()
         self.restart_times: defaultdict[str, deque[float]] = defaultdict(deque)  # within the restart window
@@ -376,9 +378,22 @@ class LocalLaunch:
         gpus = visible_gpus()
         if not gpus:
             return {}
-        generators = self._planned_generators() + self._spare_generators()
+        spares, ranks = self._spare_generators(), cfg.launch.learner_procs
+        generators = self._planned_generators() + spares
         tp = cfg.generator.tensor_parallel_size
-        plan = assign_gpus(gpus, cfg.launch.learner_procs, [tp] * generators)
+        plan = assign_gpus(gpus, ranks, [tp] * generators)
+        fit = (len(gpus) - ranks) // tp - spares  # generators with GPUs of their own
+        if not plan and cfg.autoscale.enabled and fit >= max(cfg.launch.generators, cfg.autoscale.min_generators, 1):
+            # planned for autoscale.max_generators, nothing was pinned and every service shared
+            # every GPU (the learner and vLLM's 0.85 on one of them: out of memory): the fleet
+            # grows to what the GPUs hold instead
+            self.generator_cap = fit
+            plan = assign_gpus(gpus, ranks, [tp] * (fit + spares))
+            self.console.print(
+                f"[bold yellow]GPUs: {len(gpus)} hold {ranks} learner rank(s) and {fit} generator(s) x {tp} "
+                f"(+{spares} spare): the autoscaler grows to {fit}, not autoscale.max_generators "
+                f"{cfg.autoscale.max_generators}"
+            )
         if plan:
             shown = {k: v for k, v in plan.items() if k == "learner" or k.startswith("generator")}
             self.console.print(f"GPUs: {shown}")
@@ -691,7 +706,9 @@ class LocalLaunch:
 
     def _planned_generators(self) -> int:
         cfg = self.cfg
-        return cfg.autoscale.max_generators if cfg.autoscale.enabled else cfg.launch.generators
+        if not cfg.autoscale.enabled:
+            return cfg.launch.generators
+        return min(cfg.autoscale.max_generators, self.generator_cap or cfg.autoscale.max_generators)
 
     def _retire_generator(self, svc: ServiceHandle) -> None:
         """Scale-down: SIGTERM, so it drains (finishes or gives back its leases) before it exits.
@@ -710,6 +727,8 @@ class LocalLaunch:
 
     def _autoscaler(self) -> Autoscaler:
         a = self.cfg.autoscale
+        if self.gpu_plan and self.generator_cap is not None:  # (the plan sets the cap)
+            a = a.model_copy(update={"max_generators": min(a.max_generators, self.generator_cap)})
         backend: CommandBackend | ServiceBackend
         if a.backend == "command":
             assert a.command is not None

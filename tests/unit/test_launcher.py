@@ -230,6 +230,21 @@ def test_pinned_services_run_on_their_cpus_and_missing_cpus_stop_the_run(tmp_pat
     assert LocalLaunch(cfg)._cpus("generator3") == {mine[0]}  # generatorN falls back to generator
 
 
+def test_an_autoscaled_fleet_grows_to_what_the_gpus_hold_not_onto_shared_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planned for autoscale.max_generators (4) on 3 GPUs, nothing was pinned: the learner and
+    every vLLM (each taking 0.85 of its GPU's memory) shared every GPU, out of memory."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    flags = ["--autoscale.enabled", "true", "--autoscale.max_generators", "4", "--launch.generators", "1"]
+    launch = _launch(tmp_path, monkeypatch, ["0", "1", "2"], *flags)
+    plan = launch.gpu_plan
+    assert (plan["learner"], plan["generator0"], plan["generator1"]) == ("0", "1", "2") and "generator2" not in plan
+    assert launch._autoscaler().cfg.max_generators == 2
+    one = _launch(tmp_path / "one", monkeypatch, ["0"], *flags)  # not even one generator of its own: shared
+    assert one.gpu_plan == {} and one._autoscaler().cfg.max_generators == 4
+
+
 def test_the_sync_address_is_the_launchers_only_when_it_starts_the_learner(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
