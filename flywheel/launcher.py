@@ -64,6 +64,10 @@ MAX_RESTART_BACKOFF_S = 300.0  # the longest wait launch.restart_backoff_s doubl
 STABLE_UPTIME_S = 60.0  # a service up this long after its restart was not failing at start-up
 
 
+class RedisFailed(RuntimeError):
+    """The run's Redis would not start, or stopped for good: the run cannot go on."""
+
+
 class ServiceFailed(RuntimeError):
     def __init__(self, service: ServiceHandle, why: str) -> None:
         self.service = service
@@ -279,6 +283,9 @@ class LocalLaunch:
         except ServiceFailed as err:
             self.console.print(f"[bold red]flywheel run: {err}")
             return 2 if err.service.returncode == 2 else 1  # 2: a service refused the configuration
+        except RedisFailed as err:
+            self.console.print(f"[bold red]flywheel run: {err}")
+            return 1
         except KeyboardInterrupt:
             self.console.print("[yellow]interrupted: shutting everything down")
             return 130
@@ -298,13 +305,18 @@ class LocalLaunch:
 
     def _start_redis(self) -> str:
         password, user = redis_password(self.cfg.redis), self.cfg.redis.username
-        self.redis = RedisServer(
-            Path(self.cfg.redis.dir) if self.cfg.redis.dir else self.run_dir / "redis",
-            appendfsync=self.cfg.redis.appendfsync,
-            aof_rewrite_min_mb=self.cfg.redis.aof_rewrite_min_mb,
-            password=password,
-            username=user,
-        )
+        where = Path(self.cfg.redis.dir) if self.cfg.redis.dir else self.run_dir / "redis"
+        try:
+            self.redis = RedisServer(
+                where,
+                appendfsync=self.cfg.redis.appendfsync,
+                aof_rewrite_min_mb=self.cfg.redis.aof_rewrite_min_mb,
+                password=password,
+                username=user,
+                ready_timeout_s=self.cfg.launch.ready_timeout_s,  # a resumed run's AOF loads first
+            )
+        except (RuntimeError, TimeoutError, OSError) as err:
+            raise RedisFailed(f"redis-server did not start in {where}: {err}") from err
         self._pin_redis()
         return self.redis.url
 
@@ -761,7 +773,7 @@ class LocalLaunch:
         code = self._redis_died()
         if code is not None and self._backed_off("redis", "redis-server", code):  # first: everything needs it
             if not self.cfg.launch.restart or not self._may_restart("redis"):
-                raise RuntimeError(f"redis-server exited with code {code}; see {self.run_dir / 'redis'}")
+                raise RedisFailed(f"redis-server exited with code {code}; see {self.run_dir / 'redis'}")
             self._note_restart("redis")
             self.console.print(f"[yellow]redis exited with code {code}: restart {self.restarts['redis']}")
             try:

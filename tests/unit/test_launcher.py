@@ -245,6 +245,18 @@ def test_an_autoscaled_fleet_grows_to_what_the_gpus_hold_not_onto_shared_ones(
     assert one.gpu_plan == {} and one._autoscaler().cfg.max_generators == 4
 
 
+def test_a_redis_that_will_not_start_ends_the_run_with_a_message_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def no_redis(*args: Any, **kwargs: Any) -> Any:
+        raise TimeoutError("redis-server did not answer within 600s")
+
+    monkeypatch.setattr(launcher, "RedisServer", no_redis)
+    launch = LocalLaunch(load_config(["--launch.run_dir", str(tmp_path), "--launch.services", "[redis, hub]"]))
+    assert launch.run() == 1
+    assert "redis-server did not start in" in capsys.readouterr().out
+
+
 def test_the_sync_address_is_the_launchers_only_when_it_starts_the_learner(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
