@@ -817,6 +817,12 @@ class LaunchConfig(_Section):
     learner_procs: int = Field(1, ge=1, le=1024, description="Learner ranks (data parallel, via torchrun).")
     learner_threads: int = Field(1, ge=1, le=1024, description="OMP threads per learner rank (CPUs).")
     ready_timeout_s: float = Field(600, gt=0, description="Longest a service may take to become ready.")
+    job_timeout_s: float = Field(
+        86400,
+        gt=0,
+        description="Longest the launcher's one-off jobs may run: the warm start (sft) and the evaluations "
+        "before and after training, which grow with sft.steps and task.eval_prompts.",
+    )
     restart: bool = Field(
         True,
         description="Restart a service that dies (kill -9, OOM; not a bad configuration, exit code 2): Redis "

@@ -537,7 +537,7 @@ class LocalLaunch:
         what = "random answers: the format only" if self.cfg.sft.format_only else "reference answers"
         self.console.print(f"warm start: {self.cfg.sft.steps} supervised steps ({what}) ...")
         svc = self._service("sft", "learner.sft", "--out", str(out), *self._flags("--train.model", model))
-        self._wait_exit(svc, self.cfg.launch.ready_timeout_s)
+        self._wait_exit(svc, self.cfg.launch.job_timeout_s)
         result = json.loads((out / "warm_start.json").read_text())
         self.eval_start = result["eval"]
         self.console.print(
@@ -554,7 +554,7 @@ class LocalLaunch:
         svc = self._service(name, "learner.evaluate", "--model", model, "--out", str(out), *self._flags())
         if meanwhile is not None:
             meanwhile(svc)
-        self._wait_exit(svc, self.cfg.launch.ready_timeout_s)
+        self._wait_exit(svc, self.cfg.launch.job_timeout_s)
         result: dict[str, Any] = json.loads(out.read_text())
         return result
 
