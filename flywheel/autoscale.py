@@ -24,7 +24,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from flywheel.config import AutoscaleConfig
@@ -50,6 +50,8 @@ class Signals:
     generator_capacity: float
     admission_blocked_s: float
     registered: float | None = None  # generators registered and not draining (None: not known)
+    learner_version: float | None = None  # (None: not known)
+    stale_scrapes: float = 0.0  # answers the hub gave from its last snapshot, its loop too busy
 
     @classmethod
     def from_metrics(cls, m: dict[str, float], t: float) -> Signals:
@@ -61,6 +63,8 @@ class Signals:
             generator_capacity=m.get("generator_capacity", 0.0),
             admission_blocked_s=m.get("admission_blocked_seconds", 0.0),
             registered=registered,
+            learner_version=m.get("learner_version"),
+            stale_scrapes=m.get("stale_scrapes", 0.0),
         )
 
 
@@ -68,6 +72,13 @@ class Signals:
 class Decision:
     target: int
     why: str
+
+
+def _learner_stepped(before: Signals, now: Signals) -> bool:
+    """Whether the learner's version moved between the looks (True when either does not say)."""
+    if before.learner_version is None or now.learner_version is None:
+        return True
+    return now.learner_version > before.learner_version
 
 
 def decide(cfg: AutoscaleConfig, current: int, before: Signals, now: Signals, groups_per_step: int) -> Decision:
@@ -83,6 +94,8 @@ def decide(cfg: AutoscaleConfig, current: int, before: Signals, now: Signals, gr
     if blocked < 0:  # a counter that went back: the hub restarted between the two looks
         return Decision(current, "the hub restarted: its blocked time counts again from zero")
     if blocked >= cfg.blocked_frac and current > cfg.min_generators:
+        if not _learner_stepped(before, now):  # loading, checkpointing, evaluating, restarting
+            return Decision(current, "generators held by the staleness bound, but the learner took no step")
         return Decision(current - 1, f"generators idle under the staleness bound {blocked:.0%} of the time")
     # (no generator at all, with autoscale.min_generators 0: none can be busy, and none to wait for)
     busy = utilisation >= cfg.busy_utilisation or current == 0
@@ -129,6 +142,10 @@ class Autoscaler:
             return None
         self._silent_since = None
         signals = Signals.from_metrics(m, now)
+        if self._last is not None and signals.stale_scrapes > self._last.stale_scrapes:
+            # the hub's loop was too busy to answer: this may be an old snapshot, stamped now
+            self._last = replace(self._last, stale_scrapes=signals.stale_scrapes)
+            return None
         before, self._last = self._last, signals
         if before is None:
             return None

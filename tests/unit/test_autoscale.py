@@ -21,6 +21,28 @@ def test_blocked_generators_shrink_the_fleet_down_to_the_minimum() -> None:
     assert decide(CFG, 2, before, look(10, ready=10, active=2, blocked_s=2), 4).target == 2  # 20% blocked: steady
 
 
+def test_a_learner_that_took_no_step_shrinks_nothing() -> None:
+    """While the learner loads, checkpoints, evaluates or restarts, the generators fill the bound
+    and wait: that is its pause, not a surplus (the fleet lost one a cooldown down to the minimum,
+    then grew back one vLLM start at a time)."""
+    from dataclasses import replace
+
+    before, now = look(0, ready=10, active=2, blocked_s=0), look(10, ready=10, active=2, blocked_s=8)
+    paused = decide(CFG, 3, replace(before, learner_version=7), replace(now, learner_version=7), 4)
+    assert paused.target == 3 and "took no step" in paused.why
+    assert decide(CFG, 3, replace(before, learner_version=7), replace(now, learner_version=9), 4).target == 2
+
+
+def test_a_stale_answer_from_a_busy_hub_is_not_taken_for_a_look() -> None:
+    m = {"ready_groups": 0.0, "active_leases": 8.0, "generator_capacity": 8.0, "admission_blocked_seconds": 0.0}
+    backend = ServiceBackend(lambda i: i, lambda svc: None, [0])
+    scaler = Autoscaler(CFG.model_copy(update={"interval_s": 1.0, "cooldown_s": 0.0}), backend, lambda: m, 4)
+    scaler.tick(now=0.0)
+    m["stale_scrapes"] = 1.0  # the loop did not answer: the last snapshot again
+    assert scaler.tick(now=1.0) is None and backend.replicas() == 1
+    assert scaler.tick(now=2.0).target == 2  # type: ignore[union-attr]  # a fresh look decides
+
+
 def test_a_starving_learner_with_busy_generators_grows_the_fleet_up_to_the_maximum() -> None:
     before, now = look(0), look(10, ready=1, active=7, capacity=8)
     assert decide(CFG, 1, before, now, groups_per_step=4).target == 2
