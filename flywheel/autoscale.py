@@ -147,6 +147,9 @@ class Autoscaler:
             self._last = replace(self._last, stale_scrapes=signals.stale_scrapes)
             return None
         before, self._last = self._last, signals
+        observe = getattr(self.backend, "observe", None)
+        if observe is not None:
+            observe(signals.registered)
         if before is None:
             return None
         current = self.backend.replicas()
@@ -187,6 +190,12 @@ class CommandBackend:
 
     def replicas(self) -> int:
         return self.n
+
+    def observe(self, registered: float | None) -> None:
+        """The hub counts more generators than this backend thinks it runs (a deployment started
+        with more, or grown by hand): take its count, or the next change would stop them."""
+        if registered is not None and registered > self.n and not self.busy:
+            self.n = int(registered)
 
     @property
     def busy(self) -> bool:

@@ -746,8 +746,10 @@ class LocalLaunch:
             assert a.command is not None
             # the deployment's own count, as far as the hub knows it: starting from
             # launch.generators, the first "grow" to 2 stopped generators of a fleet of 4
+            # (those still loading are not registered yet: launch.generators says how many it has;
+            # more registered later are taken as they come, CommandBackend.observe)
             running = self._hub_metrics().get("generators")
-            start = int(running) if running is not None else self.cfg.launch.generators
+            start = max(int(running or 0), self.cfg.launch.generators)
             backend = CommandBackend(a.command, start=start)
         else:
             backend = ServiceBackend(self._start_generator, self._retire_generator, self.generators)

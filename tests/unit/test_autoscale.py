@@ -121,6 +121,28 @@ def test_no_decision_is_taken_while_a_retired_generator_drains() -> None:
     assert scaler.tick(now=11.0).target == 2 and started == [1]  # type: ignore[union-attr]
 
 
+def test_the_command_backend_takes_the_fleet_the_hub_counts_and_does_not_cut_one_still_loading(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """compose started 4 generators, still loading when the launcher's autoscaler began (0
+    registered): it took 0 for the fleet, and its first "below the minimum" scaled it to 1,
+    stopping three. It starts from launch.generators at least, changes nothing while started
+    generators load, and takes a larger count the hub reports."""
+    import sys
+
+    from flywheel.autoscale import CommandBackend
+
+    out = tmp_path / "replicas"
+    backend = CommandBackend(f"{sys.executable} -c \"open('{out}', 'w').write('{{replicas}}')\"", start=1)
+    m = {"ready_groups": 0.0, "active_leases": 0.0, "generator_capacity": 0.0, "generators": 0.0}
+    scaler = Autoscaler(CFG.model_copy(update={"interval_s": 1.0, "cooldown_s": 0.0}), backend, lambda: m, 4)
+    for t in range(4):  # loading: nothing registered, nothing busy
+        scaler.tick(now=float(t))
+    assert not out.exists() and backend.replicas() == 1
+    m.update(generators=4.0, active_leases=32.0, generator_capacity=32.0)  # all four up, busy, starving
+    decision = scaler.tick(now=10.0)
+    assert decision is not None and decision.target == 3  # the maximum (3): down by one, not to 1
+    assert backend.wait(10) and out.read_text() == "3" and backend.replicas() == 3
+
+
 def test_the_command_backend_runs_the_deployment_hook(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import sys
 
