@@ -895,7 +895,7 @@ class AutoscaleConfig(_Section):
     )
     blocked_frac: float = Field(
         0.5,
-        ge=0,
+        gt=0,  # 0: any interval "blocked", the fleet shrinking for good
         le=1,
         description="Shrink when generators spent this share of the interval with slots the staleness bound kept empty.",
     )
@@ -980,6 +980,17 @@ class FlywheelConfig(_Section):
             raise ValueError(
                 f"launch.generators {n} is outside autoscale.min_generators..max_generators "
                 f"({a.min_generators}..{a.max_generators}): the autoscaler would move it there at once"
+            )
+        if a.enabled and a.backend == "launcher" and "generator" not in self.launch.services:
+            raise ValueError(
+                "autoscale.backend launcher scales the generators flywheel run starts, and launch.services has no "
+                "'generator': add it, or scale a fleet run elsewhere with --autoscale.backend command"
+            )
+        if a.enabled and a.backend == "command" and "generator" in self.launch.services:
+            raise ValueError(
+                "autoscale.backend command scales a fleet run elsewhere (compose, Kubernetes), and launch.services "
+                "has 'generator' too: two owners of one fleet; take 'generator' out of launch.services, or use "
+                "--autoscale.backend launcher"
             )
         if "generator" in self.launch.services and n == 0 and not a.enabled:
             raise ValueError(

@@ -316,3 +316,15 @@ def test_settings_that_cannot_all_hold_are_refused() -> None:
     with pytest.raises(ConfigError, match="launch.generators 0 starts no generator"):
         load_config(["--launch.generators", "0"])
     load_config(["--launch.generators", "0", "--launch.services", "[redis, hub, reward, learner]"])
+
+
+def test_an_autoscaler_with_no_fleet_of_its_own_or_a_fleet_with_two_owners_is_refused() -> None:
+    on = ["--autoscale.enabled", "true"]
+    with pytest.raises(ConfigError, match="has no 'generator': add it, or scale a fleet run elsewhere"):
+        load_config([*on, "--launch.services", "[redis, hub, learner]"])
+    command = [*on, "--autoscale.backend", "command", "--autoscale.command", "true {replicas}"]
+    with pytest.raises(ConfigError, match="two owners of one fleet"):
+        load_config(command)  # the launcher starts generators as well (launch.services' default)
+    assert load_config([*command, "--launch.services", "[learner]"]).autoscale.backend == "command"
+    with pytest.raises(ConfigError, match="autoscale.blocked_frac"):
+        load_config([*on, "--autoscale.blocked_frac", "0"])  # every interval "blocked": it only shrinks
