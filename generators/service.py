@@ -388,6 +388,8 @@ class GeneratorService:
             lap("load")
             if error is None:
                 self.version = ready.version
+            elif touched:  # before the resume: not one more step, nor a lease, on half-loaded weights
+                self._give_up_work_of_half_loaded_weights()
             # Cached KV (prefix cache and running requests) came from the old weights: recompute it.
             await self._engine_call(self.engine.reset_prefix_cache(reset_running_requests=True), "reset its cache")
             lap("reset")
@@ -430,6 +432,18 @@ class GeneratorService:
             seen = self._deltas
             await asyncio.sleep(0.005)
 
+    def _give_up_work_of_half_loaded_weights(self) -> None:
+        self.weights_valid = False  # half-loaded: serve nothing until a sync succeeds
+        # the hub hears it before the Release below, or it would lease the same work straight
+        # back, to be returned again (the heartbeat says so only every heartbeat_s)
+        self.link.draining = True
+        self.link.heartbeat(force=True)
+        # nothing may come of the half-loaded weights: their work goes back to the hub
+        held = list(self.samples)
+        for lease_id in held:
+            self._cancel_lease(lease_id)
+        self.link.release(held)
+
     def _after_update(
         self,
         ready: WeightsReady,
@@ -445,17 +459,7 @@ class GeneratorService:
             log.info("now serving weights v%d (update took %.3fs: %s)", self.version, seconds, detail)
         else:
             log.error("could not load weights v%d: %s", ready.version, error)
-            if touched:
-                self.weights_valid = False  # half-loaded: serve nothing until a sync succeeds
-                # the hub hears it before the Release below, or it would lease the same work
-                # straight back, to be returned again (the heartbeat says so only every heartbeat_s)
-                self.link.draining = True
-                self.link.heartbeat(force=True)
-                # nothing may come of the half-loaded weights: their work goes back to the hub
-                held = list(self.samples)
-                for lease_id in held:
-                    self._cancel_lease(lease_id)
-                self.link.release(held)
+            # (touched, the work went back already: _give_up_work_of_half_loaded_weights)
             # Untouched, the weights are the ones the leases were taken with: their work goes on
             # (the hub leased it to these weights' version, and drops whatever turns too stale);
             # released, it came straight back here, to be generated again from the start.
