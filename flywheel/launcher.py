@@ -48,6 +48,7 @@ from flywheel.autoscale import Autoscaler, CommandBackend, ServiceBackend
 from flywheel.config import FlywheelConfig
 from flywheel.files import write_atomically
 from flywheel.hub_client import hub_metrics
+from flywheel.logs import setup_logging
 from flywheel.netsec import check_keys, create_keys, redis_password
 from flywheel.procs import Service, ServiceHandle, parse_cpu_list, wait_for_state_file
 from flywheel.redis_server import RedisServer, free_port
@@ -1040,6 +1041,9 @@ class LocalLaunch:
 
 
 def run(cfg: FlywheelConfig) -> int:
+    # the launcher's own decisions (the autoscaler's above all) are logged at INFO: unconfigured,
+    # Python shows WARNING and above only
+    setup_logging("flywheel-run", cfg.run.log_level)
     if cfg.launch.launcher == "ray":
         from flywheel.ray_launch import RayLaunch
 
