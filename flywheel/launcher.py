@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -63,6 +64,22 @@ STANDBY_LEARNER = "learner_standby"  # the service name of the standby learner (
 STANDBY_LEARNER_DELAY_S = 30.0
 MAX_RESTART_BACKOFF_S = 300.0  # the longest wait launch.restart_backoff_s doubles up to
 STABLE_UPTIME_S = 60.0  # a service up this long after its restart was not failing at start-up
+
+
+# torchrun's summary of a failed rank (torch.distributed.elastic): "  exitcode  : 2 (pid: 123)"
+_TORCHRUN_RANK_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+) \(pid", re.MULTILINE)
+
+
+def exit_code(svc: ServiceHandle) -> int | None:
+    """The service's exit code, or its ranks' under torchrun, which exits 1 whatever they did: a
+    rank that refused the configuration (2) must stop the run, not restart it until
+    launch.max_restarts."""
+    code = svc.returncode
+    if code == 1:
+        ranks = {int(c) for c in _TORCHRUN_RANK_EXIT.findall(svc.tail(80))}
+        if ranks == {2}:
+            return 2
+    return code
 
 
 class RedisFailed(RuntimeError):
@@ -283,7 +300,7 @@ class LocalLaunch:
             return 0
         except ServiceFailed as err:
             self.console.print(f"[bold red]flywheel run: {err}")
-            return 2 if err.service.returncode == 2 else 1  # 2: a service refused the configuration
+            return 2 if exit_code(err.service) == 2 else 1  # 2: a service refused the configuration
         except RedisFailed as err:
             self.console.print(f"[bold red]flywheel run: {err}")
             return 1
@@ -833,7 +850,7 @@ class LocalLaunch:
         self.restart_times[key].append(time.monotonic())
 
     def _restart(self, svc: ServiceHandle) -> None:
-        code, la = svc.returncode, self.cfg.launch
+        code, la = exit_code(svc), self.cfg.launch
         if not la.restart or code == 2:  # 2: a bad configuration, which a restart cannot fix
             raise ServiceFailed(svc, f"exited with code {code}")
         key = "spares" if svc in self.spares else svc.name  # a dead spare's successor has a new name

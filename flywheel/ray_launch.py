@@ -31,6 +31,7 @@ from flywheel.redis_server import RedisServer
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 60.0
+STATUS_WAIT_S = 0.5  # how long one look at a service's status waits for its actor
 
 
 class ServiceRunner:
@@ -103,16 +104,31 @@ class RayService:
         self.log_path = log_path
         self._code: int | None = None
         self._gone = False
+        # the last status call, while unanswered: an actor not placed yet (no free GPU for a
+        # generator the autoscaler added) answers nothing, and a check that waited for it held
+        # the launcher's loop (restarts, the display) CALL_TIMEOUT_S at every pass
+        self._asked: tuple[Any, float] | None = None
+        self._said_slow = False
 
     @property
     def returncode(self) -> int | None:
         if self._code is None and not self._gone:
+            if self._asked is None:
+                self._asked = (self.actor.returncode.remote(), time.monotonic())
+            ref, since = self._asked
+            ready, _ = ray.wait([ref], timeout=STATUS_WAIT_S)
+            if not ready:  # busy or not placed yet: no sign of an exit
+                if time.monotonic() - since > CALL_TIMEOUT_S and not self._said_slow:
+                    self._said_slow = True
+                    log.warning(
+                        "the actor of %s has not answered for %.0fs: taken as running", self.name, CALL_TIMEOUT_S
+                    )
+                return None
+            self._asked, self._said_slow = None, False
             try:
-                self._code = ray.get(self.actor.returncode.remote(), timeout=CALL_TIMEOUT_S)
+                self._code = ray.get(ref)
             except ray.exceptions.RayActorError:  # the actor (its node) died: so did the service
                 self._code, self._gone = -9, True
-            except ray.exceptions.GetTimeoutError:  # busy or not placed yet: no sign of an exit
-                log.warning("the actor of %s did not answer within %.0fs: taken as running", self.name, CALL_TIMEOUT_S)
         return self._code
 
     def alive(self) -> bool:

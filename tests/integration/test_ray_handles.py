@@ -37,6 +37,30 @@ def test_a_busy_service_actor_reads_as_running_and_is_still_stopped(
         ray.shutdown()
 
 
+def test_a_service_actor_not_placed_yet_reads_as_running_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generator the autoscaler added on a cluster with no free GPU waits for its placement:
+    every look at it waited out CALL_TIMEOUT_S (60 s), holding the launcher's loop (restarts,
+    the display) that long at every pass."""
+    import ray
+
+    from flywheel import ray_launch
+
+    monkeypatch.setattr(ray_launch, "CALL_TIMEOUT_S", 20.0)
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        unplaceable = ray_launch._ServiceActor.options(resources={"no_such_device": 1})
+        actor = unplaceable.remote("svc", "timeit", ["-n", "1", "-r", "1", "pass"], str(tmp_path), {})
+        handle = ray_launch.RayService("svc", actor, tmp_path / "svc.log")
+        for _ in range(3):
+            started = time.monotonic()
+            assert handle.alive()
+            assert time.monotonic() - started < 5
+    finally:
+        ray.shutdown()
+
+
 def test_a_redis_actor_lost_with_its_node_does_not_end_the_stop_in_a_traceback(tmp_path: Path) -> None:
     """The launcher's stop asked the Redis actor to stop with a bare ray.get: an actor gone with
     its node raised RayActorError out of the stop, and the run's report was never written."""

@@ -257,6 +257,37 @@ def test_a_redis_that_will_not_start_ends_the_run_with_a_message_not_a_traceback
     assert "redis-server did not start in" in capsys.readouterr().out
 
 
+def test_a_multi_rank_learner_that_refused_its_configuration_stops_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun exits 1 whatever its ranks did: ranks that exited 2 (a bad configuration) were
+    restarted until launch.max_restarts, as a crash would be."""
+    summary = """[ERROR] failed (exitcode: 2) local_rank: 0
+Failures:
+[1]:
+  time      : 2026-12-02_20:40:00
+  rank      : 1 (local_rank: 1)
+  exitcode  : 2 (pid: 4242)
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 2 (pid: 4241)
+"""
+
+    class Torchrun(FakeProcess):
+        def tail(self, n: int = 30) -> str:
+            return summary
+
+    launch = _launch(tmp_path, monkeypatch, [])
+    refused = Torchrun("learner", "torch.distributed.run", [], tmp_path, {}, None)
+    refused.code, refused.log_path = 1, tmp_path / "learner.log"
+    assert launcher.exit_code(refused) == 2
+    with pytest.raises(launcher.ServiceFailed, match="exited with code 2"):
+        launch._restart(refused)
+    summary = summary.replace("exitcode  : 2 (pid: 4242)", "exitcode  : -9 (pid: 4242)")  # a rank killed
+    assert launcher.exit_code(refused) == 1
+
+
 def test_the_sync_address_is_the_launchers_only_when_it_starts_the_learner(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
