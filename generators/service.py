@@ -14,6 +14,7 @@ the old weights produced has been consumed before it bumps ``self.version``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -136,6 +137,12 @@ class GeneratorService:
         except BaseException:
             if self.sync is not None:  # failing (or cancelled): out of the next weight syncs at once
                 self.sync.leave(self.version)
+            # and its leases go back now, not after the hub's generator_timeout_s (none of it may
+            # come from whatever failed: a half-loaded update, a wedged engine)
+            with contextlib.suppress(Exception):
+                self.link.draining = True
+                self.link.heartbeat(force=True)
+                self.link.release(list(self.samples))
             raise
 
     async def _serve(self, max_seconds: float | None) -> None:
@@ -211,6 +218,8 @@ class GeneratorService:
     async def _shutdown(self) -> None:
         if self.sync is not None:
             self.sync.leave(self.version)
+        if self._draining_since is None:  # (max_seconds): no new lease while it stops
+            self.link.drain()
         # What is finished goes out first (past the flow-control window: these are the last
         # chunks), so a sample or lease done before the stop is not generated again elsewhere;
         # the rest goes back to the hub, which re-issues it whole.
@@ -221,7 +230,8 @@ class GeneratorService:
         self.link.release(held)
         deadline = time.monotonic() + 5.0
         while self.link.unacked and time.monotonic() < deadline:  # let the hub make our last chunks durable
-            self.link.poll(20)
+            late = self.link.poll(20).leases  # sent before the hub heard we stop: back at once
+            self.link.release([lease.lease_id for lease in late])
             self.link.resend_due()
         log.info(
             "stopped: %d tokens generated, %d chunks unacknowledged", self.tokens_generated, len(self.link.unacked)

@@ -491,3 +491,28 @@ def test_a_generator_stopping_sends_what_it_finished_before_it_gives_the_rest_ba
     assert m["flywheel_hub_samples_completed_total"] == 3
     assert m["flywheel_hub_leases_released_total"] == 1 and m["flywheel_hub_leases_reissued_total"] == 1
     g.close()
+
+
+def test_a_generator_that_fails_gives_its_leases_back_at_once(cluster: Cluster) -> None:
+    """A failing generator (a wedged engine, a failed update) said nothing to the hub: its leases
+    waited out hub.generator_timeout_s (15 s by default) before anyone else could take them."""
+    import asyncio
+
+    from flywheel.config import load_config
+    from generators.service import GeneratorService, SampleRun
+
+    cluster.start_hub("--data.n_samples_per_prompt", "2", "--async.groups_per_step", "2", "--async.max_staleness", "0")
+    g = HandGenerator(cluster.gen_address, "gen-fails", capacity=2)
+    g.register()
+    pump_until(g, lambda: len(g.leases) == 2, "two leases")
+    service = GeneratorService(load_config([]), None, g.link, None, "gen-fails", 4096)
+    service.samples = {lease.lease_id: {0: SampleRun(lease, 0)} for lease in g.leases}
+
+    async def wedged(max_seconds: float | None) -> None:
+        raise RuntimeError("the engine gave no token")
+
+    service._serve = wedged  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="no token"):
+        asyncio.run(service.run())
+    wait_until(lambda: metrics(cluster)["flywheel_hub_leases_released_total"] == 2, 10, "both leases given back")
+    g.close()
