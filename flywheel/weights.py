@@ -200,6 +200,9 @@ class WeightGroup:
     device: torch.device
     store: dist.TCPStore | None = None  # held by rank 0: the rendezvous server lives as long as the group
     op_timeout_s: float = 600.0  # how long one broadcast may take before the group is given up
+    # the current sync's deadline (unix time): no broadcast waits past it, so a sync of many
+    # buckets ends by it, not op_timeout_s a bucket later
+    deadline: float | None = None
     send_buffers: list[torch.Tensor] = field(default_factory=list)  # rank 0: two, reused every sync
     recv_pool: list[torch.Tensor] = field(default_factory=list)  # receivers: buffers no one references any more
     connected: bool = False  # whether the backend's links are up (gloo: at construction; NCCL: first broadcast)
@@ -255,12 +258,15 @@ class WeightGroup:
         process down. So completion is polled here, and past the timeout the group is aborted (a
         generator acks the error and rejoins; the learner evicts). Gloo's own timeout ends its
         operations; the poll changes nothing there."""
-        deadline = time.monotonic() + self.op_timeout_s
+        timeout_s = self.op_timeout_s
+        if self.deadline is not None:
+            timeout_s = max(0.1, min(timeout_s, self.deadline - time.time()))
+        deadline = time.monotonic() + timeout_s
         while not work.is_completed():
             if time.monotonic() > deadline:
                 self.close()
                 raise WeightSyncError(
-                    f"broadcast not complete within {self.op_timeout_s:g}s (rank {self.rank}/{self.world_size}): "
+                    f"broadcast not complete within {timeout_s:g}s (rank {self.rank}/{self.world_size}): "
                     "the group is given up"
                 )
             time.sleep(0.0002)

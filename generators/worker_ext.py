@@ -103,12 +103,14 @@ class WeightReceiverExtension:
         group = self._flywheel_group
         if group is not None and group.epoch == ready.epoch:
             group.op_timeout_s = max(ready.deadline - time.time(), 0.1)  # this sync's, not the first one's
+            group.deadline = ready.deadline
             return group
         self._flywheel_drop_group()
         # gloo moves host memory (the loader copies each tensor to the model's device); NCCL
         # receives straight into device memory
         device = self.device if ready.transport == "nccl" else "cpu"  # type: ignore[attr-defined]
         group = join_announced(ready, rank, device)
+        group.deadline = ready.deadline
         self._flywheel_group = group
         return group
 

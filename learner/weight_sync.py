@@ -314,7 +314,8 @@ class WeightBroadcaster:
                 self._store_port = store.port
                 report.join_s = time.perf_counter() - t0
             assert self.group is not None
-            self.group.op_timeout_s = max(deadline - time.time(), 0.1)  # no broadcast outlives the deadline
+            self.group.op_timeout_s = max(deadline - time.time(), 0.1)  # no broadcast outlives the deadline...
+            self.group.deadline = deadline  # ...nor do all of them together
             report.broadcast_s = send(self.group, buckets, tensors)
         except RanksLeft as err:  # not a failure of anybody's: the others get it at the next sync
             log.info("weight sync v%d given up: %s", version, err)

@@ -165,6 +165,30 @@ def test_a_broadcast_that_does_not_complete_gives_the_group_up_at_its_timeout() 
     assert time.monotonic() - start < 5
 
 
+@pytest.mark.parametrize("left_s", [0.3, -5.0])
+def test_no_broadcast_waits_past_the_syncs_deadline(left_s: float) -> None:
+    """Each broadcast had the whole op_timeout_s (the time left when the sync began): a sync of
+    many buckets could run that long a bucket, far past its deadline, the engine paused all along."""
+    import threading
+
+    store = host_store("127.0.0.1", 30)
+    joined = threading.Event()
+    peer: list[Any] = []
+
+    def silent_peer() -> None:
+        peer.append(join_group("gloo", "127.0.0.1", store.port, 1, 2, 5, timeout_s=4))
+        joined.set()
+
+    threading.Thread(target=silent_peer, daemon=True).start()
+    group = join_group("gloo", "127.0.0.1", store.port, 0, 2, 5, timeout_s=4, store=store)
+    assert joined.wait(30)
+    group.op_timeout_s, group.deadline = 20.0, time.time() + left_s  # near or past (gloo: 4 s)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="not complete within"):
+        group.broadcast(torch.zeros(1 << 20, dtype=torch.uint8))
+    assert time.monotonic() - start < 3
+
+
 def test_unknown_transport_is_refused() -> None:
     with pytest.raises(WeightSyncError, match="ipc"):
         join_group("ipc", "127.0.0.1", 1, 1, 2, 1, timeout_s=1)
