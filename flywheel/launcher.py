@@ -343,7 +343,7 @@ class LocalLaunch:
         warm start and the evaluations run on the learner's, as they do on its GPU)."""
         table = self.cfg.launch.cpus
         key = name if name in table else "generator" if name.startswith(("generator", "spare")) else None
-        if key is None and name in ("sft", "eval_start", "eval_end"):
+        if key is None and name in ("sft", "eval_start", "eval_end", "learner_standby"):
             key = "learner"
         if key not in table:
             return None

@@ -228,6 +228,8 @@ def test_pinned_services_run_on_their_cpus_and_missing_cpus_stop_the_run(tmp_pat
     assert launch._cpus("generator3") is None  # unlisted: anywhere
     cfg = load_config(["--launch.run_dir", str(tmp_path / "run2"), "--launch.cpus.generator", str(mine[0])])
     assert LocalLaunch(cfg)._cpus("generator3") == {mine[0]}  # generatorN falls back to generator
+    cfg = load_config(["--launch.run_dir", str(tmp_path / "run3"), "--launch.cpus.learner", str(mine[0])])
+    assert LocalLaunch(cfg)._cpus("learner_standby") == {mine[0]}  # it becomes the learner
 
 
 def test_an_autoscaled_fleet_grows_to_what_the_gpus_hold_not_onto_shared_ones(
