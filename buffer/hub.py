@@ -422,6 +422,8 @@ class Hub:
                 continue  # lease_timeout_s re-issues it
             lease.resends += 1
             lease.sent_at = now
+            # (recovered from Redis, it knows no floor of its own: the one in force now)
+            lease.min_version = max(lease.min_version, self.policy.doom_floor(self.learner_version, self.claim_floor))
             self.stats.leases_resent += 1
             log.info("lease %d never reached generator %s: sent again", lease_id, gen.record.generator_id)
             self._after_flush(self.gen_sock, gen.identity, self._lease_message(lease))

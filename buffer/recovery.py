@@ -119,7 +119,8 @@ def _load_group(hub: Hub, gid: int) -> OpenGroup | None:
             samples[int(rest)].final_seq = done.n_chunks - 1
         elif kind == b"r":
             samples[int(rest)].score = unpack(StoredScore, value)
-    stored = chunks_by_sample(raw)
+    # a finished sample's chunks are its SampleDone's lease's, as the learner reads them
+    stored = chunks_by_sample(raw, {i: s.done.lease_id for i, s in enumerate(samples) if s.done is not None})
     for index, sample in enumerate(samples):
         chunks = stored.get(index, {})
         if sample.done is not None:

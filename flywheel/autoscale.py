@@ -74,15 +74,16 @@ class Decision:
     why: str
 
 
-def _learner_stepped(before: Signals, now: Signals) -> bool:
-    """Whether the learner's version moved between the looks (True when either does not say)."""
-    if before.learner_version is None or now.learner_version is None:
-        return True
-    return now.learner_version > before.learner_version
-
-
-def decide(cfg: AutoscaleConfig, current: int, before: Signals, now: Signals, groups_per_step: int) -> Decision:
-    """The next replica count from two looks at the hub; a pure function (unit-tested)."""
+def decide(
+    cfg: AutoscaleConfig,
+    current: int,
+    before: Signals,
+    now: Signals,
+    groups_per_step: int,
+    learner_paused: bool = False,
+) -> Decision:
+    """The next replica count from two looks at the hub; a pure function (unit-tested).
+    ``learner_paused``: the learner has taken no step for a while (``LearnerPace``)."""
     dt = max(now.t - before.t, 1e-9)
     blocked = (now.admission_blocked_s - before.admission_blocked_s) / dt
     utilisation = now.active_leases / now.generator_capacity if now.generator_capacity else 0.0
@@ -94,8 +95,8 @@ def decide(cfg: AutoscaleConfig, current: int, before: Signals, now: Signals, gr
     if blocked < 0:  # a counter that went back: the hub restarted between the two looks
         return Decision(current, "the hub restarted: its blocked time counts again from zero")
     if blocked >= cfg.blocked_frac and current > cfg.min_generators:
-        if not _learner_stepped(before, now):  # loading, checkpointing, evaluating, restarting
-            return Decision(current, "generators held by the staleness bound, but the learner took no step")
+        if learner_paused:  # loading, checkpointing, evaluating, restarting: its pause, not a surplus
+            return Decision(current, "generators held by the staleness bound, but the learner takes no step")
         return Decision(current - 1, f"generators idle under the staleness bound {blocked:.0%} of the time")
     # (no generator at all, with autoscale.min_generators 0: none can be busy, and none to wait for)
     busy = utilisation >= cfg.busy_utilisation or current == 0
@@ -108,6 +109,29 @@ def decide(cfg: AutoscaleConfig, current: int, before: Signals, now: Signals, gr
             current + 1, f"learner starving ({ready_steps:.1f} steps ready) with generators busy ({utilisation:.0%})"
         )
     return Decision(current, "steady")
+
+
+class LearnerPace:
+    """Whether the learner is pausing: no step for twice as long as its steps take (and two of
+    the autoscaler's intervals at least), or none since it was first seen. Two looks an interval
+    apart would not say: a learner step can take longer than an interval."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.version: float | None = None
+        self.moved_at = 0.0  # when the version last moved (or was first seen)
+        self.step_s: float | None = None  # the time a step took, over the last move
+
+    def paused(self, s: Signals) -> bool:
+        if s.learner_version is None:
+            return False  # (a hub that does not say: no guess)
+        if self.version is None or s.learner_version < self.version:  # first seen, or a new run
+            self.version, self.moved_at, self.step_s = s.learner_version, s.t, None
+        elif s.learner_version > self.version:
+            self.step_s = (s.t - self.moved_at) / (s.learner_version - self.version)
+            self.version, self.moved_at = s.learner_version, s.t
+            return False
+        return s.t - self.moved_at > max(2 * (self.step_s or 0.0), 2 * self.interval_s)
 
 
 class Autoscaler:
@@ -127,6 +151,7 @@ class Autoscaler:
         self._last_change = -1e18
         self._silent_since: float | None = None
         self._said_silent = False
+        self._pace = LearnerPace(cfg.interval_s)
 
     def tick(self, now: float | None = None) -> Decision | None:
         """Look at the hub if an interval has passed; scale if the rules say so."""
@@ -150,10 +175,11 @@ class Autoscaler:
         observe = getattr(self.backend, "observe", None)
         if observe is not None:
             observe(signals.registered)
+        paused = self._pace.paused(signals)
         if before is None:
             return None
         current = self.backend.replicas()
-        decision = decide(self.cfg, current, before, signals, self.groups_per_step)
+        decision = decide(self.cfg, current, before, signals, self.groups_per_step, paused)
         if decision.target != current and now - self._last_change >= self.cfg.cooldown_s:
             log.info("autoscale: %d -> %d generators (%s)", current, decision.target, decision.why)
             self.backend.scale_to(decision.target)

@@ -636,8 +636,9 @@ class AlgoConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0, le=10, description="Entropy bonus coefficient.")
     dynamic_filtering: bool = Field(
         False,
-        description="Skip groups whose rewards are all equal (no advantage signal), as DAPO does. A batch with "
-        "no other group takes no step: the learner logs it and counts it in the next step's "
+        description="Skip groups with no advantage signal, as DAPO does: whose rewards are all equal, counting "
+        "the samples the engine did not abort (those the advantages compare), or with fewer than two such samples. "
+        "A batch with no other group takes no step: the learner logs it and counts it in the next step's "
         "batch/skipped_without_signal.",
     )
     critic: CriticConfig = Field(default_factory=CriticConfig, description="Value model (PPO).")
@@ -646,13 +647,15 @@ class AlgoConfig(_Section):
     def _clip_settings_need_a_clip(self) -> AlgoConfig:
         """Under ``decoupled`` a step makes one update, so the ratio to the proximal policy (the
         step's own weights) is 1 and never clipped; ``tis`` has no clip. Settings that shape the
-        clip would do nothing there, in silence."""
+        clip would do nothing there, in silence. (Under ``tis`` GSPO's sequence ratio is the
+        importance weight itself: it acts.)"""
         correction, loss, default = self.off_policy.correction, self.loss, LossConfig()
         if correction == "none":
             return self
+        shaping = ("clip_low", "clip_high", "dual_clip") + (("ratio_level",) if correction == "decoupled" else ())
         moot = [
             f"algo.loss.{name} {getattr(loss, name)}"
-            for name in ("clip_low", "clip_high", "dual_clip", "ratio_level")
+            for name in shaping
             if getattr(loss, name) != getattr(default, name)
         ]
         if moot:

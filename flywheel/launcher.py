@@ -42,6 +42,7 @@ import psutil
 import yaml
 from rich.console import Console
 from rich.live import Live
+from rich.logging import RichHandler
 from rich.table import Table
 
 from flywheel import standby
@@ -49,7 +50,6 @@ from flywheel.autoscale import Autoscaler, CommandBackend, ServiceBackend
 from flywheel.config import FlywheelConfig
 from flywheel.files import write_atomically
 from flywheel.hub_client import hub_metrics
-from flywheel.logs import setup_logging
 from flywheel.netsec import check_keys, create_keys, redis_password
 from flywheel.procs import Service, ServiceHandle, parse_cpu_list, wait_for_state_file
 from flywheel.redis_server import RedisServer, free_port
@@ -1058,11 +1058,18 @@ class LocalLaunch:
 
 
 def run(cfg: FlywheelConfig) -> int:
-    # the launcher's own decisions (the autoscaler's above all) are logged at INFO: unconfigured,
-    # Python shows WARNING and above only
-    setup_logging("flywheel-run", cfg.run.log_level)
+    launch: LocalLaunch
     if cfg.launch.launcher == "ray":
         from flywheel.ray_launch import RayLaunch
 
-        return RayLaunch(cfg).run()
-    return LocalLaunch(cfg).run()
+        launch = RayLaunch(cfg)
+    else:
+        launch = LocalLaunch(cfg)
+    # The launcher's own decisions (the autoscaler's above all) are logged at INFO, which Python
+    # leaves unshown unconfigured; through the launcher's console, so they print above its live
+    # display instead of through it
+    handler = RichHandler(console=launch.console, show_path=False, show_time=True)
+    logging.basicConfig(
+        level=getattr(logging, cfg.run.log_level), format="%(name)s: %(message)s", handlers=[handler], force=True
+    )
+    return launch.run()

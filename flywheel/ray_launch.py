@@ -132,7 +132,7 @@ class RayService:
         return self._code
 
     def alive(self) -> bool:
-        return self.returncode is None
+        return not self._gone and self.returncode is None  # (stopped: gone, whatever its code)
 
     def terminate(self) -> None:
         if not self._gone:

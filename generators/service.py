@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 MIN_LOGPROB = -1e9  # -inf (a token the processed distribution excludes) travels as this finite floor
 ENGINE_CALL_TIMEOUT_S = 120.0  # an engine's pause, cache reset or resume in a weight update
 ENGINE_ERROR_RETRIES = 2  # a request vLLM ends with "error" goes on from its partial tokens this many times
+LATE_LEASES_S = 0.3  # how long a stopping generator listens for leases sent before the hub heard it
 
 
 @dataclass
@@ -228,9 +229,12 @@ class GeneratorService:
         for lease_id in held:
             self._cancel_lease(lease_id)
         self.link.release(held)
-        deadline = time.monotonic() + 5.0
-        while self.link.unacked and time.monotonic() < deadline:  # let the hub make our last chunks durable
-            late = self.link.poll(20).leases  # sent before the hub heard we stop: back at once
+        # let the hub make our last chunks durable, and hear it a little while in any case: a
+        # lease it sent before it heard we stop goes straight back
+        now = time.monotonic()
+        deadline, heard_enough = now + 5.0, now + LATE_LEASES_S
+        while (self.link.unacked or time.monotonic() < heard_enough) and time.monotonic() < deadline:
+            late = self.link.poll(20).leases
             self.link.release([lease.lease_id for lease in late])
             self.link.resend_due()
         log.info(

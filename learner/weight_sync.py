@@ -340,12 +340,11 @@ class WeightBroadcaster:
                     waiting.discard(gen_id)
                     report.evicted[gen_id] = "restarted during the sync"
                     continue
-                if gen_id not in self.members:  # it said it stops: no ack will come
-                    waiting.discard(gen_id)
-                    report.evicted[gen_id] = "left the sync"
-                    continue
                 ack = self._acks.get(gen_id)
                 if ack is None or ack.epoch != self.epoch:
+                    if gen_id not in self.members:  # it said it stops: no ack will come
+                        waiting.discard(gen_id)
+                        report.evicted[gen_id] = "left the sync"
                     continue
                 waiting.discard(gen_id)
                 if ack.error is None and ack.version == version:

@@ -121,8 +121,8 @@ class Scorer:
         """Rewards for ``rows`` of the batch: (reward, breakdown) or an error string each."""
         sub = {k: [v[i] for i in rows] for k, v in batch.items()}
         kwargs = {**self.context, **spec.kwargs}
-        if "call_timeout_s" in self.context:  # what is left of it: the functions before took the rest
-            kwargs["call_timeout_s"] = max(0.0, self.context["call_timeout_s"] - (time.monotonic() - started))
+        if "call_timeout_s" in kwargs:  # what is left of it: the functions before took the rest
+            kwargs["call_timeout_s"] = max(0.0, float(kwargs["call_timeout_s"]) - (time.monotonic() - started))
         for k in ("prompt_ids", "completion_ids", "finish_reasons"):
             kwargs[k] = sub[k]
         try:

@@ -197,8 +197,10 @@ def test_a_generator_that_stops_after_a_sync_named_it_does_not_cost_that_sync_it
     named = threading.Event()
 
     def leave_once_named() -> None:
-        while not leaver.poll():  # the announcement names it: it stops instead of joining
-            time.sleep(0.01)
+        # the announcement names it: it stops instead of joining (read off the announce socket
+        # alone: the join thread still sends on the other, and a ZeroMQ socket is one thread's)
+        while not leaver.sub.poll(10):
+            pass
         stop.set()
         thread.join(timeout=5)
         leaver.leave(0)

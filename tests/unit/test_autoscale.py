@@ -27,10 +27,19 @@ def test_a_learner_that_took_no_step_shrinks_nothing() -> None:
     then grew back one vLLM start at a time)."""
     from dataclasses import replace
 
+    from flywheel.autoscale import LearnerPace
+
     before, now = look(0, ready=10, active=2, blocked_s=0), look(10, ready=10, active=2, blocked_s=8)
-    paused = decide(CFG, 3, replace(before, learner_version=7), replace(now, learner_version=7), 4)
-    assert paused.target == 3 and "took no step" in paused.why
-    assert decide(CFG, 3, replace(before, learner_version=7), replace(now, learner_version=9), 4).target == 2
+    paused = decide(CFG, 3, before, now, 4, learner_paused=True)
+    assert paused.target == 3 and "takes no step" in paused.why
+    assert decide(CFG, 3, before, now, 4, learner_paused=False).target == 2
+    # a step of 12 s seen through looks 5 s apart: stepping, though most pairs of looks see no move
+    pace = LearnerPace(interval_s=5.0)
+    seen = [pace.paused(replace(look(t), learner_version=float(t // 12))) for t in range(0, 120, 5)]
+    assert not any(seen[5:]), seen
+    assert pace.paused(replace(look(200.0), learner_version=9.0))  # then none for 80 s: a pause
+    loading = LearnerPace(interval_s=5.0)  # none yet since it was first seen: loading
+    assert [loading.paused(replace(look(t), learner_version=0.0)) for t in (0.0, 5.0, 11.0)] == [False, False, True]
 
 
 def test_a_stale_answer_from_a_busy_hub_is_not_taken_for_a_look() -> None:

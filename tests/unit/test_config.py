@@ -272,6 +272,12 @@ def test_clip_settings_are_refused_where_nothing_is_clipped(correction: str, set
     with pytest.raises(ConfigError, match=f"does nothing under algo.off_policy.correction {correction}"):
         load_config(["--algo.off_policy.correction", correction, *setting])
     assert load_config(["--algo.off_policy.correction", "none", *setting]).algo.off_policy.correction == "none"
+    gspo = ["--algo.loss.ratio_level", "sequence", "--algo.loss.aggregation", "seq_mean_token_mean"]
+    with pytest.raises(
+        ConfigError, match="ratio_level sequence does nothing under algo.off_policy.correction decoupled"
+    ):
+        load_config(gspo)
+    assert load_config([*gspo, "--algo.off_policy.correction", "tis"]).algo.loss.ratio_level == "sequence"  # its weight
 
 
 def test_a_boolean_is_not_a_number(tmp_path: Path) -> None:
