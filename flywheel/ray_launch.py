@@ -23,7 +23,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from flywheel.config import FlywheelConfig
-from flywheel.launcher import LocalLaunch, ServiceFailed
+from flywheel.launcher import LocalLaunch, RedisFailed, ServiceFailed
 from flywheel.netsec import redis_password
 from flywheel.procs import Service, ServiceHandle, wait_for_state_file
 from flywheel.redis_server import RedisServer
@@ -69,6 +69,7 @@ class RedisRunner:
         aof_rewrite_min_mb: int,
         password: str | None,
         username: str | None,
+        ready_timeout_s: float = 10.0,
     ) -> None:
         self.server = RedisServer(
             data_dir,
@@ -77,6 +78,7 @@ class RedisRunner:
             bind=bind,
             password=password,
             username=username,
+            ready_timeout_s=ready_timeout_s,
         )
 
     def port(self) -> int:
@@ -248,8 +250,12 @@ class RayLaunch(LocalLaunch):
             self.cfg.redis.aof_rewrite_min_mb,
             redis_password(self.cfg.redis),
             self.cfg.redis.username,
+            self.cfg.launch.ready_timeout_s,  # a resumed run's AOF loads first
         )
-        port = ray.get(self._redis_actor.port.remote(), timeout=CALL_TIMEOUT_S)
+        try:
+            port = ray.get(self._redis_actor.port.remote(), timeout=self.cfg.launch.ready_timeout_s + CALL_TIMEOUT_S)
+        except (ray.exceptions.RayError, TimeoutError) as err:  # (its constructor's error, or none in time)
+            raise RedisFailed(f"redis-server did not start on Ray: {err}") from err
         return f"redis://{self._host('hub')}:{port}/0"
 
     def _redis_died(self) -> int | None:

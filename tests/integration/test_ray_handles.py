@@ -84,6 +84,28 @@ def test_a_redis_actor_lost_with_its_node_does_not_end_the_stop_in_a_traceback(t
         ray.shutdown()
 
 
+def test_a_redis_that_will_not_start_on_ray_fails_the_run_with_a_message(tmp_path: Path) -> None:
+    """Its actor's error came out of `flywheel run` as a RayActorError traceback."""
+    import ray
+
+    from flywheel import ray_launch
+    from flywheel.config import load_config
+    from flywheel.launcher import RedisFailed
+
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the Redis directory should be")
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        launch = object.__new__(ray_launch.RayLaunch)  # only what _start_redis reads
+        launch.cfg = load_config(["--redis.dir", str(blocked / "redis"), "--launch.ready_timeout_s", "20"])
+        launch.run_dir, launch.spread = tmp_path, False
+        launch._strategy = lambda role: "DEFAULT"  # type: ignore[method-assign]
+        with pytest.raises(RedisFailed, match="redis-server did not start on Ray"):
+            launch._start_redis()
+    finally:
+        ray.shutdown()
+
+
 def test_a_service_that_dies_before_listening_fails_the_run_with_its_reason(tmp_path: Path) -> None:
     """On Ray, a hub that exited before it wrote its ports (an empty dataset, say) came out of
     `flywheel run` as a RayTaskError traceback; the local launcher names the service, its exit
