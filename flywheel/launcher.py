@@ -779,7 +779,9 @@ class LocalLaunch:
             return
         self.console.print(f"waiting for {n} generator(s) to load the model and register ...")
         deadline = time.monotonic() + self.cfg.launch.ready_timeout_s
-        while self._hub_metrics().get("generators", 0) < n:
+        # registered with this hub: a resumed run's hub recovers the last run's generators from
+        # Redis, and counts them until they time out, while the new ones still load
+        while min((m := self._hub_metrics()).get("generators", 0), m.get("generator_registrations", 0)) < n:
             self._check_alive()
             if time.monotonic() > deadline:
                 gen = next(s for s in self.services if s.name.startswith("generator"))

@@ -290,6 +290,25 @@ Root Cause (first observed failure):
     assert launcher.exit_code(refused) == 1
 
 
+def test_a_resumed_runs_recovered_generators_are_not_taken_for_the_new_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hub of a resumed run counts the last run's generators (recovered from Redis) until they
+    time out: the launcher went on while the new ones were still loading."""
+    launch = _launch(tmp_path, monkeypatch, [])
+    launch.hub_ports = {"metrics_port": 1}
+    looks = iter(
+        [{"generators": 2.0, "generator_registrations": 0.0}] * 3
+        + [{"generators": 2.0, "generator_registrations": 2.0}]
+    )
+    seen: list[dict[str, float]] = []
+    monkeypatch.setattr(launch, "_hub_metrics", lambda: seen.append(m := next(looks)) or m)
+    monkeypatch.setattr(launch, "_check_alive", lambda: None)
+    monkeypatch.setattr(launcher.time, "sleep", lambda s: None)
+    launch._wait_generators(2)
+    assert len(seen) == 4  # it waited for the two new ones to register
+
+
 def test_the_sync_address_is_the_launchers_only_when_it_starts_the_learner(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
