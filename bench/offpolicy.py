@@ -177,7 +177,7 @@ class LocalLearner:
                 input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, use_cache=False
             ).logits
             lp, mask = to_rows(token_logprobs(logits, mb.targets, self.temperature), mb)
-            entropy, _ = to_rows(entropy_at(logits.detach(), mb, grad=False), mb)
+            entropy, _ = to_rows(entropy_at(logits.detach(), mb, grad=False, temperature=self.temperature), mb)
         return lp, mask, entropy
 
     def train_step(self, batch: Batch) -> dict[str, float]:

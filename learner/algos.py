@@ -199,11 +199,6 @@ def kl_estimate(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, kind: 
     raise ValueError(f"unknown KL estimator {kind!r}; choose k1, k2 or k3")
 
 
-def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits_BTV.float(), -1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str) -> torch.Tensor:
     """token_mean: every token weighs the same; seq_mean_token_mean: every sequence weighs the same;
     seq_mean_token_sum_norm: token sum over a constant (B x T), Dr. GRPO's length-unbiased form."""

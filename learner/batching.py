@@ -152,13 +152,17 @@ def token_logprobs(logits_bLV: torch.Tensor, targets_bL: torch.Tensor, temperatu
     return torch.log_softmax(logits, -1).gather(-1, targets_bL[..., None])[..., 0]
 
 
-def entropy_at(logits_bLV: torch.Tensor, mb: MicroBatch, grad: bool) -> torch.Tensor:
-    """Entropy of the next-token distribution at the response positions only (zeros elsewhere):
-    computing it over the whole vocabulary at every position would cost a logits-sized buffer."""
+def entropy_at(logits_bLV: torch.Tensor, mb: MicroBatch, grad: bool, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the next-token distribution under logits / temperature (the sampled one, as
+    ``token_logprobs``) at the response positions only (zeros elsewhere): computing it over the
+    whole vocabulary at every position would cost a logits-sized buffer."""
     rows = torch.cat(mb.gather_rows).to(logits_bLV.device) if mb.gather_rows else torch.zeros(0, dtype=torch.long)
     cols = torch.cat(mb.gather_cols).to(logits_bLV.device) if mb.gather_cols else torch.zeros(0, dtype=torch.long)
     with torch.enable_grad() if grad else torch.no_grad():
-        logp = torch.log_softmax(logits_bLV[rows, cols].float(), -1)
+        logits = logits_bLV[rows, cols].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, -1)
         ent = -(logp.exp() * logp).sum(-1)
         out = torch.zeros(logits_bLV.shape[:2], dtype=ent.dtype, device=logits_bLV.device)
         out = out.index_put((rows, cols), ent)

@@ -13,8 +13,8 @@ of 2 x hidden x vocab FLOPs per token) and turns them into the gradients of h an
 [tokens, vocab] logits never exist at once, and the prompt positions get no logits at all.
 
 Numerics follow the plain path: logits in the weight's dtype, upcast to fp32; the log-probability
-under logits / temperature (the sampled distribution), the entropy under the raw logits (what
-``learner.batching.entropy_at`` reports).
+and the entropy under logits / temperature, the distribution the generator sampled from (what
+``learner.batching.token_logprobs`` and ``entropy_at`` compute).
 """
 
 from __future__ import annotations
@@ -28,42 +28,43 @@ CHUNK_ELEMENTS = 1 << 28
 
 
 def _stats(logits_CV: torch.Tensor, targets_C: torch.Tensor, temperature: float) -> tuple[torch.Tensor, ...]:
-    """(log p(target) under logits / T, entropy under the logits, logsumexp at T, logsumexp at 1)."""
+    """(log p(target), entropy, logsumexp), all under logits / T: the sampled distribution."""
     z = logits_CV.float()
-    lse1 = torch.logsumexp(z, -1)
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, -1)
     # entropy = lse - E_p[z] with p = softmax(z)
-    ent = lse1 - (torch.exp(z - lse1[:, None]) * z).sum(-1)
-    target = z.gather(1, targets_C[:, None])[:, 0]
-    if temperature == 1.0:
-        return target - lse1, ent, lse1, lse1
-    lse_t = torch.logsumexp(z / temperature, -1)
-    return target / temperature - lse_t, ent, lse_t, lse1
+    ent = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
+    return z.gather(1, targets_C[:, None])[:, 0] - lse, ent, lse
 
 
 def _grad_logits(
     logits_CV: torch.Tensor,
     targets_C: torch.Tensor,
     temperature: float,
-    lse_t_C: torch.Tensor,
-    lse1_C: torch.Tensor,
+    lse_C: torch.Tensor,
     ent_C: torch.Tensor,
     g_lp_C: torch.Tensor | None,
     g_ent_C: torch.Tensor | None,
 ) -> torch.Tensor:
-    """d(loss)/d(logits) of one chunk, in the logits' dtype.
+    """d(loss)/d(logits) of one chunk, in the logits' dtype. With z = logits / T and p = softmax(z):
 
-    d lp / dz = (onehot(target) - softmax(z / T)) / T;  d ent / dz = -p * (z - E_p[z]), p = softmax(z).
+    d lp / d logits = (onehot(target) - p) / T;  d ent / d logits = -p * (z - E_p[z]) / T.
     """
     z = logits_CV.float()
+    if temperature != 1.0:
+        z = z / temperature
+    p = torch.exp(z - lse_C[:, None])
     g = torch.zeros_like(z)
     if g_lp_C is not None:
-        g_lp = g_lp_C.float()[:, None] / temperature
-        g = g - torch.exp(z / temperature - lse_t_C[:, None]) * g_lp
+        g_lp = g_lp_C.float()[:, None]
+        g = g - p * g_lp
         g = g.scatter_add(1, targets_C[:, None], g_lp)
     if g_ent_C is not None:
-        p = torch.exp(z - lse1_C[:, None])
-        mean_z = (lse1_C - ent_C)[:, None]
+        mean_z = (lse_C - ent_C)[:, None]
         g = g - g_ent_C.float()[:, None] * p * (z - mean_z)
+    if temperature != 1.0:
+        g = g / temperature
     return g.to(logits_CV.dtype)
 
 
@@ -94,22 +95,22 @@ class _LinearLogprobEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         stats, _ = _kernels(hidden_NH.device, compiled)
         n = hidden_NH.shape[0]
-        # log p(target), entropy, logsumexp at T, logsumexp at 1: [N] each
-        outs = [torch.empty(n, dtype=torch.float32, device=hidden_NH.device) for _ in range(4)]
+        # log p(target), entropy, logsumexp: [N] each, under logits / T
+        outs = [torch.empty(n, dtype=torch.float32, device=hidden_NH.device) for _ in range(3)]
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             logits = hidden_NH[s:e] @ weight_VH.T
             for o, v in zip(outs, stats(logits, targets_N[s:e], temperature), strict=True):
                 o[s:e] = v
-        lp, ent, lse_t, lse1 = outs
-        ctx.save_for_backward(hidden_NH, weight_VH, targets_N, ent, lse_t, lse1)
+        lp, ent, lse = outs
+        ctx.save_for_backward(hidden_NH, weight_VH, targets_N, ent, lse)
         ctx.temperature, ctx.chunk, ctx.compiled = temperature, chunk, compiled
         ctx.set_materialize_grads(False)  # an entropy used only as a metric sends no gradient
         return lp, ent
 
     @staticmethod
     def backward(ctx: Any, g_lp_N: torch.Tensor | None, g_ent_N: torch.Tensor | None) -> tuple[Any, ...]:
-        hidden, weight, targets, ent, lse_t, lse1 = ctx.saved_tensors
+        hidden, weight, targets, ent, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g_lp_N is None and g_ent_N is None) or not (need_h or need_w):
             return None, None, None, None, None, None
@@ -126,8 +127,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
                 h @ weight.T,  # recomputed: the forward kept no [chunk, vocab] tensor
                 targets[s:e],
                 ctx.temperature,
-                lse_t[s:e],
-                lse1[s:e],
+                lse[s:e],
                 ent[s:e],
                 None if g_lp_N is None else g_lp_N[s:e],
                 None if g_ent_N is None else g_ent_N[s:e],
@@ -147,8 +147,8 @@ def linear_logprobs_entropy(
     chunk: int | None = None,
     compiled: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(target) under (hidden @ weight.T) / temperature and the entropy under hidden @ weight.T,
-    one fp32 value per row of ``hidden_NH``, with gradients for ``hidden_NH`` and ``weight_VH``.
+    """log p(target) and the entropy under (hidden @ weight.T) / temperature (the distribution the
+    generator sampled from), one fp32 value per row of ``hidden_NH``, with gradients for ``hidden_NH`` and ``weight_VH``.
 
     ``chunk`` rows at a time (default: as many as keep one chunk's fp32 logits at
     ``CHUNK_ELEMENTS``). ``compiled`` fuses the element-wise work with ``torch.compile`` on CUDA.

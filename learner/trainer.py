@@ -62,6 +62,32 @@ class StepStats:
     version: int
     metrics: dict[str, float] = field(default_factory=dict)
     staleness: Counter[int] = field(default_factory=Counter)
+    # what this rank's means are over ("trained" tokens, "response" tokens, "seqs") and the
+    # (sum, sum of squares, count) of what gets a pooled std: to combine the ranks' figures
+    counts: dict[str, float] = field(default_factory=dict)
+    moments: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+
+
+# How a figure each rank computes on its own share of the batch combines over the ranks (only
+# rank 0 reports): a mean weighted by what it averages over, a sum, a max, or the mean over ranks
+# (a loss: DeepSpeed averages the ranks' gradients, so the step's loss is the ranks' mean).
+RANK_WEIGHTED_MEANS = {
+    "policy/entropy": "trained",
+    "policy/clip_frac": "trained",
+    "policy/ratio_mean": "trained",
+    "policy/kl": "trained",
+    "offpolicy/behav_weight_mean": "trained",
+    "offpolicy/prox_minus_behav": "trained",
+    "critic/value_mean": "trained",
+    "critic/return_mse": "trained",
+    "batch/response_len": "seqs",
+    "batch/staleness_mean": "seqs",
+}
+RANK_SUMS = ("perf/tokens", "batch/groups", "batch/groups_filtered", "batch/aborted", "batch/dropped_stale")
+RANK_MAXES = ("offpolicy/behav_weight_max", "adv/max")
+RANK_MEANS = ("loss/policy", "critic/value_loss")
+# (mean key, std key) of the moments in StepStats.moments
+POOLED = {"reward": ("reward/mean", "reward/std"), "adv": ("adv/mean", "adv/std")}
 
 
 def ds_config(cfg: FlywheelConfig, on_gpu: bool) -> dict[str, Any]:
@@ -505,7 +531,7 @@ class Trainer:
                 "adv/mean": float(algos.masked_mean(adv, resp_mask)),
                 "adv/std": float(adv[resp_mask > 0].std()) if resp_mask.sum() > 1 else 0.0,
                 "adv/max": float(adv[resp_mask > 0].max()) if resp_mask.sum() else 0.0,
-                "batch/groups": float(len(rewards_GN)),
+                "batch/groups": float(len(rewards_GN)) if has_signal else 0.0,
                 "batch/response_len": float(resp_mask.sum(1).mean()),
                 "batch/staleness_mean": float(np.mean([s.staleness for s in seqs])),
                 "batch/dropped_stale": float(batch.dropped),
@@ -514,25 +540,55 @@ class Trainer:
                 "lr": float(self.engine.get_lr()[0]),
             }
         )
+        stats.counts.update(response=float(resp_mask.sum()), seqs=float(len(seqs)) if has_signal else 0.0)
+        stats.moments["reward"] = moments(claimed_rewards)
+        stats.moments["adv"] = moments(adv[resp_mask > 0]) if has_signal else (0.0, 0.0, 0.0)
         if self.world > 1 and apply:
-            self._whole_step_figures(stats, claimed_rewards)
+            self._whole_step_figures(stats)
         return stats
 
-    def _whole_step_figures(self, stats: StepStats, rewards_GN: torch.Tensor) -> None:
-        """The step's tokens, reward and staleness over every rank: only rank 0 reports, and each
-        rank trains its share of the batch."""
+    def _whole_step_figures(self, stats: StepStats) -> None:
+        """Every figure of the step over all ranks (``RANK_*``, ``POOLED``, the staleness
+        histogram): each rank trains its share of the batch, and only rank 0 reports. The vector's
+        layout is fixed, so ranks whose metrics differ (a rank with nothing to learn) still line up."""
         import torch.distributed as dist
 
-        eta = self.cfg.async_.max_staleness
-        local = [stats.metrics["perf/tokens"], float(rewards_GN.sum()), float(rewards_GN.numel())]
-        local += [float(stats.staleness.get(k, 0)) for k in range(eta + 1)]
-        t = torch.tensor(local, dtype=torch.float64, device=self.device)
+        m, eta = stats.metrics, self.cfg.async_.max_staleness
+        weights = ("trained", "response", "seqs")
+        summed = [stats.counts.get(w, 0.0) for w in weights]
+        summed += [m.get(k, 0.0) * stats.counts.get(w, 0.0) for k, w in RANK_WEIGHTED_MEANS.items()]
+        summed += [m.get(k, 0.0) for k in (*RANK_SUMS, *RANK_MEANS)]
+        summed += [x for key in POOLED for x in stats.moments.get(key, (0.0, 0.0, 0.0))]
+        summed += [float(stats.staleness.get(k, 0)) for k in range(eta + 1)]
+        maxed = [m.get(k, float("-inf")) for k in RANK_MAXES]
+        t = torch.tensor(summed, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        tokens, reward_sum, samples, *stale = t.tolist()
-        stats.metrics["perf/tokens"] = tokens
-        stats.metrics["reward/mean"] = reward_sum / max(samples, 1.0)
+        top = torch.tensor(maxed, dtype=torch.float64, device=self.device)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        values = iter(t.tolist())
+        total = {w: next(values) for w in weights}
+        for k, w in RANK_WEIGHTED_MEANS.items():
+            v = next(values)
+            if k in m:
+                m[k] = v / max(total[w], 1.0)
+        for k in RANK_SUMS:
+            v = next(values)
+            if k in m:
+                m[k] = v
+        for k in RANK_MEANS:
+            v = next(values)
+            if k in m:
+                m[k] = v / self.world
+        for mean_key, std_key in POOLED.values():
+            mean, std = pooled_mean_std(next(values), next(values), next(values))
+            if mean_key in m:
+                m[mean_key], m[std_key] = mean, std
+        stale = [next(values) for _ in range(eta + 1)]
         stats.staleness.clear()
         stats.staleness.update({k: int(n) for k, n in enumerate(stale) if n})
+        for k, v in zip(RANK_MAXES, top.tolist(), strict=True):
+            if k in m:
+                m[k] = v
 
     @staticmethod
     def _trained_tokens(seqs: list[Sequence], resp_mask: torch.Tensor, aborted: torch.Tensor) -> torch.Tensor:
@@ -672,7 +728,8 @@ class Trainer:
         self, model: Any, mb: MicroBatch, smb: StagedMicroBatch, entropy_grad: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """log p of every response token of the micro-batch under the sampling temperature, and
-        the entropy of the next-token distribution there (raw logits): flat [N] on the device."""
+        the entropy of the next-token distribution there (also under the temperature): flat [N] on
+        the device."""
         inputs = {"input_ids": smb.input_ids, "position_ids": smb.position_ids, "attention_mask": smb.attention_mask}
         inputs.update(self._varlen_kwargs(model, smb.cu_seqlens, smb.max_seqlen))
         key = id(model)
@@ -697,7 +754,7 @@ class Trainer:
         # the plain path: the model's [b, L, vocab] logits, log-softmax in fp32 over every position
         logits = model(**inputs, use_cache=False).logits
         lp = token_logprobs(logits, smb.targets, self.temperature)[smb.rows_N, smb.cols_N]
-        ent = entropy_at(logits, mb, grad=entropy_grad)[smb.rows_N, smb.cols_N]
+        ent = entropy_at(logits, mb, grad=entropy_grad, temperature=self.temperature)[smb.rows_N, smb.cols_N]
         return lp, ent
 
     def _optimize(
@@ -802,6 +859,7 @@ class Trainer:
         return loss, m
 
     def _record(self, sums: defaultdict[str, float], stats: StepStats, micro_batches: int, with_kl: bool) -> None:
+        stats.counts["trained"] = sums["tokens"]
         n = max(sums["tokens"], 1.0)
         stats.metrics.update(
             {
@@ -979,6 +1037,23 @@ class Trainer:
                 self.overlapped.wait()
         if self.broadcaster is not None:
             self.broadcaster.close()
+
+
+def moments(x: torch.Tensor) -> tuple[float, float, float]:
+    """(sum, sum of squares, count) of ``x``: what ``pooled_mean_std`` combines over ranks."""
+    x = x.detach().double().flatten()
+    return float(x.sum()), float((x * x).sum()), float(x.numel())
+
+
+def pooled_mean_std(total: float, squares: float, n: float) -> tuple[float, float]:
+    """The mean and the (unbiased, as ``torch.std``) standard deviation of values whose sum, sum of
+    squares and count these are; (0, 0) when there are none, std 0 for a single value."""
+    if n < 1:
+        return 0.0, 0.0
+    mean = total / n
+    if n < 2:
+        return mean, 0.0
+    return mean, math.sqrt(max(squares - n * mean * mean, 0.0) / (n - 1))
 
 
 def dist_env() -> tuple[int, int]:

@@ -13,7 +13,7 @@ from learner.logprobs import linear_logprobs_entropy
 def plain(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):  # type: ignore[no-untyped-def]
     logits = hidden @ weight.T
     lp = token_logprobs(logits, targets, temperature)
-    logp = torch.log_softmax(logits.float(), -1)
+    logp = torch.log_softmax(logits.float() / temperature, -1)
     ent = -(logp.exp() * logp).sum(-1)
     return lp, ent
 
@@ -136,3 +136,46 @@ def test_each_model_takes_the_fused_path_only_when_its_own_head_is_plain() -> No
                     torch.testing.assert_close(lp, expected, rtol=1e-4, atol=1e-4)
         assert trainer._fused_head == {id(policy): True, id(ref): False}
         assert trainer.fused_logprobs  # the policy keeps its fused path
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_trainer_entropy_is_that_of_the_sampled_distribution(fused: bool) -> None:
+    """At temperature T the generator samples from softmax(logits / T): the entropy the learner
+    reports and regularises is that distribution's, on the fused path and on the plain one."""
+    import numpy as np
+    from transformers import LlamaForCausalLM
+
+    from flywheel.tiny import model_config
+    from learner.batching import Sequence, build_micro_batch, stage
+    from learner.trainer import Trainer
+
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(model_config(vocab_size=64)).eval()
+    seq = Sequence(
+        prompt=np.arange(5, 10, dtype=np.int32),
+        response=np.arange(20, 28, dtype=np.int32),
+        behav_logprobs=np.full(8, -1.0, dtype=np.float32),
+        versions=np.zeros(8, dtype=np.int32),
+        reward=1.0,
+        group=0,
+        staleness=0,
+    )
+    mb = build_micro_batch([seq], [0], packed=False, pad_id=0)
+    smb = stage(mb, torch.device("cpu"))
+    temperature = 0.5
+    with torch.no_grad():
+        logits = policy(torch.as_tensor(np.concatenate([seq.prompt, seq.response]), dtype=torch.long)[None]).logits[0]
+        logp = torch.log_softmax(logits[len(seq.prompt) - 1 : -1].float() / temperature, -1)
+        expected_lp = logp[torch.arange(8), torch.as_tensor(seq.response, dtype=torch.long)]
+        expected_ent = -(logp.exp() * logp).sum(-1)
+        raw = torch.log_softmax(logits[len(seq.prompt) - 1 : -1].float(), -1)
+        raw_ent = -(raw.exp() * raw).sum(-1)
+    assert (expected_ent - raw_ent).abs().max() > 0.05  # the temperature changes the entropy here
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.engine, trainer.temperature, trainer.compile_loss = policy, temperature, False
+    trainer.fused_logprobs, trainer._fused_head = fused, {}
+    with torch.no_grad():
+        lp, ent = trainer._token_stats(policy, mb, smb, entropy_grad=False)
+    torch.testing.assert_close(lp, expected_lp, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ent, expected_ent, rtol=1e-4, atol=1e-4)
