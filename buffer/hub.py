@@ -61,6 +61,7 @@ from flywheel.wire import (
     ScoreRequest,
     ToHub,
     WireError,
+    clip_error,
     encode,
     encode_list,
     pack_i32,
@@ -256,7 +257,10 @@ class Hub:
             try:
                 msg = self.decoder.decode(payload)
             except WireError as err:
-                self.rejects.reject(err.reason, str(err), identity)
+                if sock is self.reward_sock and err.reason == "invalid_field" and err.field.startswith("scores["):
+                    self._on_partly_bad_scores(identity, payload)
+                else:
+                    self.rejects.reject(err.reason, str(err), identity)
                 continue
             self._handle(sock, identity, msg)
 
@@ -595,6 +599,32 @@ class Hub:
         self._pipe.hset(self.keys.group(gid), score_field(msg.sample), pack(score))
         if group.all_scored():
             self._group_scored(group)
+
+    def _on_partly_bad_scores(self, identity: bytes, payload: bytes) -> None:
+        """A ScoreBatch with a score that fails its check (a breakdown name too long, say): the
+        others are taken, and a refused one fails its sample's reward. Refusing the frame would
+        refuse every score in it, and the same answer again at each re-send: its group would
+        never be ready."""
+        msg = self.decoder.decode(payload, check=False)
+        assert isinstance(msg, ScoreBatch)
+        self._turn_items += len(msg.scores)
+        good, bad = msg.split_valid()
+        for score in good:
+            self._on_score(identity, score)
+        for score, err in bad:
+            self.rejects.reject(err.reason, f"score for (group {score.group_id}, sample {score.sample}): {err}", identity)
+            if (score.group_id, score.sample) in self.score_asked:
+                failed = f"bad_score: the hub refused the reward service's score: {err}"
+                self._on_score(
+                    identity,
+                    Score(
+                        worker_id=score.worker_id,
+                        group_id=score.group_id,
+                        sample=score.sample,
+                        reward=self.cfg.reward.error_reward,
+                        error=clip_error(failed),
+                    ),
+                )
 
     def _group_scored(self, group: OpenGroup) -> None:
         """Every sample has its Score: the group is ready, or dropped when a score failed and

@@ -124,6 +124,7 @@ class Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_o
 
 MAX_MODEL_CHARS = 4096  # a Register's model name or path
 MAX_BREAKDOWN = 1024  # a Score's named reward terms
+MAX_BREAKDOWN_NAME = 256  # characters of one term's name
 MAX_ERROR_CHARS = 16384  # a Score's error text (the reward service clips longer ones)
 
 
@@ -393,7 +394,11 @@ class Score(Message, tag=True):
         _require(math.isfinite(self.reward), "reward", "must be finite")
         # stored with the sample and logged: bounded, as everything a peer can make the hub keep
         _require(len(self.breakdown) <= MAX_BREAKDOWN, "breakdown", f"at most {MAX_BREAKDOWN} entries")
-        _require(all(len(k) <= 256 for k in self.breakdown), "breakdown", "names of at most 256 characters")
+        _require(
+            all(len(k) <= MAX_BREAKDOWN_NAME for k in self.breakdown),
+            "breakdown",
+            f"names of at most {MAX_BREAKDOWN_NAME} characters",
+        )
         _require(
             self.error is None or len(self.error) <= MAX_ERROR_CHARS, "error", f"at most {MAX_ERROR_CHARS} characters"
         )
@@ -413,6 +418,20 @@ class ScoreBatch(Message, tag=True):
                 score.check()
             except WireError as err:
                 raise WireError(err.reason, f"scores[{i}].{err.field}", err.detail) from None
+
+    def split_valid(self) -> tuple[list[Score], list[tuple[Score, WireError]]]:
+        """The scores that pass their check, and those that do not with why: a receiver that
+        decoded the batch unchecked (``Decoder.decode(check=False)``) after ``check`` named a
+        score keeps the others rather than refusing the frame."""
+        good: list[Score] = []
+        bad: list[tuple[Score, WireError]] = []
+        for score in self.scores:
+            try:
+                score.check()
+                good.append(score)
+            except WireError as err:
+                bad.append((score, err))
+        return good, bad
 
 
 # --------------------------------------------------------------------------- learner → generators
@@ -523,7 +542,9 @@ class Decoder:
         self._decoder = msgspec.msgpack.Decoder(kind)
         self.max_bytes = max_bytes
 
-    def decode(self, data: bytes) -> Message:
+    def decode(self, data: bytes, check: bool = True) -> Message:
+        """Decode and validate. ``check=False`` skips the value checks (the types are still
+        enforced): only for a receiver that then checks the message's parts itself."""
         if len(data) > self.max_bytes:
             raise WireError("oversized", "<frame>", f"{len(data)} bytes > limit {self.max_bytes}")
         try:
@@ -539,7 +560,8 @@ class Decoder:
                 "sv",
                 f"peer speaks schema {msg.sv}, this build speaks {SCHEMA_VERSION}; run the same Flywheel version everywhere",
             )
-        msg.check()
+        if check:
+            msg.check()
         return msg
 
 

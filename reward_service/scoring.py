@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flywheel.wire import unpack_i32
+from flywheel.wire import MAX_BREAKDOWN_NAME, unpack_i32
 from reward_service.builtins import BatchError
 from reward_service.registry import RewardFunction, resolve
 
@@ -89,10 +89,17 @@ class Scorer:
                     out.error = r
                     continue
                 value, parts = r
+                names = {f"{label}/{k}": v for k, v in parts.items()}
+                if (long := next((n for n in names if len(n) > MAX_BREAKDOWN_NAME), None)) is not None:
+                    # the hub refuses the frame such a name is in, every score of it with this one
+                    out.error = (
+                        f"bad_output: {spec.name}: the breakdown name {long[:80]!r}... is {len(long)} characters, "
+                        f"at most {MAX_BREAKDOWN_NAME}: return shorter dict keys"
+                    )
+                    continue
                 out.reward += spec.weight * value
                 out.breakdown[label] = value
-                for k, v in parts.items():
-                    out.breakdown[f"{label}/{k}"] = v
+                out.breakdown.update(names)
         for out in outcomes:  # finite terms can still sum past a float (1e308 twice)
             if out.error is None and not math.isfinite(out.reward):
                 out.error = f"non_finite: the weighted sum is {out.reward!r}"

@@ -480,6 +480,13 @@ def hub_reward_port(decoder: Decoder) -> Oracle:
 
     def oracle(frames: Frames) -> tuple[str, ...] | None:
         msg = decode_or_reason(decoder, frames)
+        if msg == ("invalid_field",):
+            # a ScoreBatch whose scores fail their checks: each is refused on its own, the rest taken
+            unchecked = decoder.decode(frames[0], check=False)
+            if isinstance(unchecked, ScoreBatch) and len(unchecked.scores) <= 65536:
+                good, bad = unchecked.split_valid()
+                if bad:
+                    return ("invalid_field",) * len(bad) + ("unexpected_score",) * len(good)
         if isinstance(msg, tuple):
             return msg
         if isinstance(msg, RewardRegister):

@@ -55,6 +55,11 @@ def slow_batches(prompts: list[str], completions: list[str], metadata: list[dict
     return [1.0] * len(completions)
 
 
+def long_term_names(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
+    """A dict reward whose term is named by its test case's source: 300 characters on odd lengths."""
+    return [{"reward": 1.0, ("x" * 300 if len(ids) % 2 else "case"): 1.0} for ids in kwargs["completion_ids"]]
+
+
 def huge(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any) -> list[Any]:
     """Finite values that break a float: an int past any float, and 1e308 (twice it is inf)."""
     return [10**400 if len(ids) % 2 else 1e308 for ids in kwargs["completion_ids"]]

@@ -224,6 +224,65 @@ def test_late_and_repeated_answers_to_re_sent_requests_are_taken_once(cluster: C
         sock.close()
 
 
+def test_a_score_the_hub_refuses_fails_its_sample_not_the_frame_it_came_in(cluster: Cluster) -> None:
+    """One score in a ScoreBatch that fails its check (a breakdown name past the limit) made the
+    hub refuse the whole frame: every score in it came again only after score_timeout_s, and the
+    culprit was refused at each re-send, its group never ready. Now the others are taken at once
+    and the culprit fails its sample's reward (reward.on_error drop_group: its group is dropped)."""
+    import zmq
+
+    from flywheel.wire import Decoder, RewardRegister, Score, ScoreBatch, ScoreRequest, encode
+
+    cluster.start_hub(*HUB, "--async.max_staleness", "1")  # score_timeout_s 60: a re-send would show
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.reward_address)
+    decoder = Decoder(ScoreRequest)
+    pending: list[tuple[int, int]] = []
+    answered: list[tuple[int, int]] = []
+    culprit: tuple[int, int] | None = None
+    gen = None
+    try:
+        deadline, last_hello = time.monotonic() + 120, 0.0
+        while time.monotonic() < deadline and len(answered) < 16:
+            if time.monotonic() - last_hello > 0.5:
+                last_hello = time.monotonic()
+                sock.send(encode(RewardRegister(worker_id="hand", capacity=64)))
+            if gen is None and cluster.metrics()["flywheel_hub_reward_workers"] == 1:
+                gen = cluster.start_simgen("sim0", "--min-len", "4", "--max-len", "40", "--capacity", "4")
+            while sock.poll(100):
+                req = decoder.decode(sock.recv())
+                assert isinstance(req, ScoreRequest)
+                pending.append((req.group_id, req.sample))
+            if len(pending) >= 2:
+                scores = [Score(worker_id="hand", group_id=g, sample=i, reward=1.0) for g, i in pending]
+                if culprit is None:
+                    culprit = pending[0]
+                    scores[0] = Score(worker_id="hand", group_id=culprit[0], sample=culprit[1], reward=1.0,
+                                      breakdown={"x" * 300: 1.0})  # fmt: skip
+                sock.send(encode(ScoreBatch(worker_id="hand", scores=scores)))
+                answered += pending
+                pending = []
+        assert culprit is not None and len(answered) >= 16, answered
+        assert gen is not None
+        gen.stop()
+        m = wait_until(
+            lambda: (m := cluster.metrics())["flywheel_hub_scores_in_total"] >= len(answered) and m,
+            30,
+            "every answer taken, the refused one as a failed reward",
+        )
+        assert m["flywheel_hub_scores_in_total"] == len(answered)
+        assert m['flywheel_hub_rejected_total{reason="invalid_field"}'] == 1
+        assert m['flywheel_hub_reward_errors_total{reason="bad_score"}'] == 1
+        assert m["flywheel_hub_score_resends_total"] == 0
+        assert m["flywheel_hub_groups_dropped_reward_total"] == 1
+        served = {(g.group_id, i) for g in claim_all(cluster) for i in range(len(g.samples))}
+        assert culprit[0] not in {g for g, _ in served}
+        assert "breakdown" in cluster.hub.log_path.read_text()  # the rejection names the field
+    finally:
+        sock.close()
+
+
 def test_a_request_sent_again_after_its_answer_is_answered_again_not_scored_again() -> None:
     """The hub's re-send can arrive just after the service answered (or the answer was lost on
     the way): the service sends its answer again rather than scoring the sample a second time.

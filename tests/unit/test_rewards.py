@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from flywheel.wire import pack_i32
+from flywheel.wire import Score, pack_i32
 from reward_service import builtins as b
 from reward_service.registry import builtin_names, resolve
 from reward_service.scoring import FunctionSpec, Item, Scorer
@@ -185,6 +185,18 @@ def test_scorer_sums_weighted_rewards_with_a_breakdown(tok: str) -> None:
     assert all(o.error is None for o in out)
     twice = scorer(tok, ("length", 1.0, {"max_tokens": 10}), ("length", 2.0, {"max_tokens": 5})).score(items([4]))
     assert twice[0].breakdown == {"length": 0.4, "length#2": 0.8}  # the second no longer overwrote the first
+
+
+def test_a_breakdown_name_the_hub_would_refuse_fails_its_sample_only(tok: str) -> None:
+    """A term named past the wire's limit made the hub refuse the whole ScoreBatch frame, every
+    score in it, again at each re-send: its group never became ready. Now that sample's reward
+    fails with the reason, and the others' Scores pass the hub's check."""
+    out = scorer(tok, ("tests.integration.reward_fns:long_term_names", 1.0, {})).score(items([4, 5]))
+    assert out[0].error is None and out[0].reward == 1.0
+    assert out[1].error is not None and out[1].error.startswith("bad_output: tests.integration.reward_fns:long_")
+    assert "at most 256" in out[1].error and "shorter dict keys" in out[1].error
+    for o in out:
+        Score(worker_id="w", group_id=0, sample=0, reward=o.reward, breakdown=o.breakdown, error=o.error).check()
 
 
 def test_scorer_isolates_a_raising_sample_and_flags_nan_and_bad_output(tok: str) -> None:
