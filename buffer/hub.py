@@ -612,7 +612,9 @@ class Hub:
         for score in good:
             self._on_score(identity, score)
         for score, err in bad:
-            self.rejects.reject(err.reason, f"score for (group {score.group_id}, sample {score.sample}): {err}", identity)
+            self.rejects.reject(
+                err.reason, f"score for (group {score.group_id}, sample {score.sample}): {err}", identity
+            )
             if (score.group_id, score.sample) in self.score_asked:
                 failed = f"bad_score: the hub refused the reward service's score: {err}"
                 self._on_score(
