@@ -1139,6 +1139,7 @@ class Hub:
             "groups_dropped": self.groups_dropped,
             "prompts_truncated": self.source.truncated,
             "prompts_skipped": self.source.skipped,
+            "prompts_unusable": self.source.unusable,
             "peers_refused": refused_peers(),  # CURVE handshakes with an unauthorised key
         }
         gauges = {

@@ -82,12 +82,14 @@ def load_rows(cfg: DataConfig) -> list[dict[str, Any]]:
             ds = ds[split]
         cols = [k for k in keep if k in ds.column_names]
         rows = ds.select_columns(cols).to_list()
-    missing = sum(1 for r in rows if cfg.input_key not in r)
+    # a null (parquet, datasets) would train as the prompt "None", or fail a chat template
+    missing = sum(1 for r in rows if r.get(cfg.input_key) is None)
     if not rows:
         raise ValueError(f"data.path {str(path)!r} holds no rows")
     if missing:
         raise ValueError(
-            f"{missing} of {len(rows)} rows lack data.input_key {cfg.input_key!r}; set --data.input_key to the prompt field"
+            f"{missing} of {len(rows)} rows lack data.input_key {cfg.input_key!r} or hold null there; set "
+            "--data.input_key to the prompt field, or drop those rows"
         )
     return rows
 
@@ -101,7 +103,8 @@ class PromptSource:
         self.tokenizer = tokenizer
         self.truncated = 0
         self.skipped = 0  # rows found over data.max_prompt_tokens (data.overlong_prompts skip), once each
-        self._too_long: set[int] = set()
+        self.unusable = 0  # rows the tokenizer (or its chat template) failed on, once each
+        self._skip: set[int] = set()  # rows of either kind: never issued
         # Tokenized prompts by row: every epoch and every re-queue of a prompt reuses them
         # (tokenizing was 2-4% of the hub's loop). Bounded, oldest out first.
         self._ids: dict[int, np.ndarray] = {}
@@ -131,15 +134,31 @@ class PromptSource:
         return int(self.order(epoch)[cursor])
 
     def prompt(self, index: int, epoch: int) -> Prompt | None:
-        """The row's prompt, or None for one over ``max_prompt_tokens`` that is to be skipped."""
-        if index in self._too_long:
+        """The row's prompt, or None for one to skip: over ``max_prompt_tokens``, or one the
+        tokenizer fails on. Raising instead would stop the hub at the same row after every
+        restart (the cursor's advance is written with the turn the error cut short)."""
+        if index in self._skip:
             return None
         row = self.rows[index]
         ids = self._ids.get(index)
         if ids is None:
-            tokenized = self._tokenize(row)
+            try:
+                tokenized = self._tokenize(row)
+            except Exception as err:  # noqa: BLE001 - the tokenizer's own code (a chat template's raise_exception)
+                self._skip.add(index)
+                self.unusable += 1
+                if self.unusable <= 10 or self.unusable % 1000 == 0:
+                    log.error(
+                        "prompt row %d: the tokenizer failed on it (%s: %s): skipped (%d so far); check the row, "
+                        "data.input_key and data.apply_chat_template",
+                        index,
+                        type(err).__name__,
+                        err,
+                        self.unusable,
+                    )
+                return None
             if tokenized is None:
-                self._too_long.add(index)
+                self._skip.add(index)
                 self.skipped += 1
                 if self.skipped <= 10 or self.skipped % 1000 == 0:
                     log.warning(

@@ -360,12 +360,16 @@ class ClaimsAhead:
         if self._ahead is not None and self._ahead[0] == version:
             future = self._ahead[1]
             try:
-                return future.result(timeout=wait_s)  # the claim itself gives up after timeout_s
+                batch = future.result(timeout=wait_s)  # the claim itself gives up after timeout_s
             except FutureTimeout:
+                # kept, even when it completes just now: its groups are consumed in Redis, and
+                # only the next call can still hand them to the learner
                 raise BatchTimeout(f"the batch claimed ahead for v{version} is not ready after {wait_s:.1f}s") from None
-            finally:
-                if future.done():
-                    self._ahead = None
+            except BaseException:
+                self._ahead = None  # the claim failed: the next call claims afresh
+                raise
+            self._ahead = None
+            return batch
         return self.client.claim(self.n_groups, version, wait_s)
 
     def claim_ahead(self, version: int) -> None:

@@ -154,3 +154,35 @@ def test_the_tokenizer_is_autotokenizer_s_without_importing_torch(tokenizer_dir:
     del conf["tokenizer_class"]
     (unnamed / "tokenizer_config.json").write_text(json.dumps(conf))
     assert load_tokenizer(str(unnamed))("What is 3 + 4?")["input_ids"] == reference("What is 3 + 4?")["input_ids"]
+
+
+def test_a_row_the_chat_template_refuses_is_skipped_and_counted_not_raised(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """A chat template that raises on a row (Mistral's and Gemma's refuse a system message) stopped
+    the hub at that row, and at the same row after every restart. Now the row is skipped, counted
+    and logged, and the next rows go on; a null prompt is refused when the data loads."""
+    from buffer.prompts import load_tokenizer
+
+    tok = load_tokenizer(str(tokenizer_dir))
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    strict = tmp_path / "strict_tokenizer"
+    tok.save_pretrained(strict)
+    rows = [
+        {"prompt": [{"role": "user", "content": "What is 1 + 1?"}]},
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]},
+        {"prompt": [{"role": "user", "content": "What is 3 + 3?"}]},
+    ]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    src = PromptSource.from_config(DataConfig(path=str(data), tokenizer=str(strict), apply_chat_template=True))
+    assert src.prompt(0, 0) is not None
+    assert src.prompt(1, 0) is None and src.prompt(1, 1) is None  # skipped, in every epoch
+    assert src.unusable == 1 and src.skipped == 0
+    assert src.prompt(2, 0) is not None
+
+    nulls = tmp_path / "nulls.jsonl"
+    nulls.write_text('{"prompt": "What is 1 + 1?"}\n{"prompt": null}\n')
+    with pytest.raises(ValueError, match="1 of 2 rows lack data.input_key 'prompt' or hold null there"):
+        load_rows(DataConfig(path=str(nulls), tokenizer=str(tokenizer_dir)))

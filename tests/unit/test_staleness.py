@@ -56,3 +56,29 @@ def test_lifecycle() -> None:
         advance(GroupState.ISSUED, GroupState.READY)
     with pytest.raises(AssertionError):
         advance(GroupState.CONSUMED, GroupState.READY)
+
+
+def test_a_batch_claimed_ahead_that_lands_as_its_wait_times_out_is_kept_for_the_next_call() -> None:
+    """The claim ahead completes between the wait's timeout and the bookkeeping after it: the
+    batch was dropped (its groups consumed in Redis, never trained, the admission window one
+    batch smaller for the rest of the run). Now the next call returns it."""
+    from concurrent.futures import Future
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from flywheel.hub_client import Batch, BatchTimeout, ClaimsAhead
+
+    batch = Batch(learner_version=3, groups=[], dropped=0, wait_s=0.0)
+
+    class LandsAsItTimesOut(Future):  # type: ignore[type-arg]
+        def result(self, timeout: float | None = None) -> Batch:
+            if not self.done():
+                self.set_result(batch)  # the claim thread finishes just as the wait gives up
+                raise FutureTimeout()
+            return super().result(timeout)
+
+    claims = ClaimsAhead(client=None, n_groups=1, timeout_s=1.0)  # type: ignore[arg-type]
+    claims._ahead = (3, LandsAsItTimesOut())
+    with pytest.raises(BatchTimeout):
+        claims.claim(3, wait_s=0.01)
+    assert claims.claim(3, wait_s=0.01) is batch
+    assert claims._ahead is None
