@@ -162,7 +162,7 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=conf
         )
-        self.ref = self._load_reference() if cfg.algo.kl.coef > 0 else None
+        self.ref = self._load_reference(conf) if cfg.algo.kl.coef > 0 else None
         # Log-probabilities and entropies from the last hidden states through the output
         # projection chunk by chunk (learner/logprobs.py): the [tokens, vocab] logits never exist
         # whole. Needs the head's weight outside its forward, hence not under ZeRO-3 (partitioned
@@ -276,14 +276,26 @@ class Trainer:
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=conf)
         return engine
 
-    def _load_reference(self) -> torch.nn.Module:
+    def _load_reference(self, conf: dict[str, Any]) -> Any:
+        """The frozen KL reference. Under ZeRO-3 it loads as shards (the HfDeepSpeedConfig alive
+        makes from_pretrained partition every model), so it runs in a DeepSpeed engine of its own,
+        as the critic does, whose hooks gather each layer for its forward: a bare module's
+        partitioned weights are empty tensors. Otherwise a plain module on the device."""
         from transformers import AutoModelForCausalLM
 
         ref = AutoModelForCausalLM.from_pretrained(
             self.cfg.algo.kl.reference or self.cfg.train.model, dtype=self.engine.module.dtype
         )
         ref.requires_grad_(False)
-        return ref.to(self.device).eval()
+        ref.eval()
+        if self.cfg.ds.zero_stage < 3:
+            return ref.to(self.device)
+        import deepspeed
+
+        # no optimizer: DeepSpeed only shards and gathers it (forward only, in eval mode)
+        engine, _, _, _ = deepspeed.initialize(model=ref, config={**conf, "gradient_clipping": 0.0})
+        engine.eval()
+        return engine
 
     # ------------------------------------------------------------------ the loop
 

@@ -113,6 +113,8 @@ def test_learner_trains_on_hub_batches(cluster: Cluster, checkpoint_dir: Path, s
         "--train.export_dir",
         str(export),
         *(("--wandb.mode", "offline") if (stage, world) == (2, 1) else ()),
+        # a KL reference beside ZeRO-3 shards (it was loaded as shards no engine gathers)
+        *(("--algo.kl.coef", "0.05") if stage == 3 else ()),
     )
     last = 2
     if finish_mid_run:
@@ -132,6 +134,8 @@ def test_learner_trains_on_hub_batches(cluster: Cluster, checkpoint_dir: Path, s
         assert s["perf/micro_batches"] >= 2
         assert s["batch/groups"] == 2  # the whole step's, at any world size (not rank 0's share)
         assert s["batch/response_len"] > 0 and np.isfinite(s["policy/entropy"]) and s["policy/entropy"] > 0
+        if stage == 3:
+            assert np.isfinite(s["policy/kl"]) and s["policy/kl"] >= 0
     assert (ckpt / "latest").read_text().strip() == f"v{last}"
     assert (export / "flywheel_version").read_text() == str(last)
     from transformers import AutoModelForCausalLM
