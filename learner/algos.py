@@ -40,6 +40,8 @@ def token_rewards(
     """Outcome reward on each sequence's last real token, minus ``kl_coef * kl`` on every token
     (KL in the reward, as PPO/REINFORCE++ do)."""
     out = torch.zeros_like(mask_BT, dtype=torch.float32)
+    if mask_BT.shape[1] == 0:  # every response empty (a prompt that filled the context): no token to reward
+        return out
     last = mask_BT.long().cumsum(1).argmax(1)  # index of the last real token
     out[torch.arange(len(rewards_B)), last] = rewards_B.float()
     if kl_BT is not None and kl_coef:

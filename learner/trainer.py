@@ -234,7 +234,10 @@ class Trainer:
         )
         self.attn_impl = self._attention_implementation()
         model = AutoModelForCausalLM.from_pretrained(
-            self.cfg.train.model, dtype=dtype, attn_implementation=self.attn_impl
+            self.cfg.train.model,
+            config=config_without_dropout(self.cfg.train.model),
+            dtype=dtype,
+            attn_implementation=self.attn_impl,
         )
         if self.cfg.train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -267,7 +270,7 @@ class Trainer:
         c = self.cfg.algo.critic
         model = AutoModelForTokenClassification.from_pretrained(
             c.model or self.cfg.train.model,
-            num_labels=1,
+            config=config_without_dropout(c.model or self.cfg.train.model, num_labels=1),
             dtype=self.engine.module.dtype,
             attn_implementation=self.attn_impl,
         )
@@ -1049,6 +1052,33 @@ class Trainer:
                 self.overlapped.wait()
         if self.broadcaster is not None:
             self.broadcaster.close()
+
+
+def config_without_dropout(path: str, **overrides: Any) -> Any:
+    """The model's config with every dropout probability at 0. The generator samples without
+    dropout; a learner forward with it would take each log-probability under a random sub-network,
+    and the importance ratios against the behaviour log-probabilities would be noise (OpenRLHF
+    and TRL turn it off too). Set in the config, before the model is built: modules copy it then."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, **overrides)
+    zeroed = _zero_dropout(config)
+    if zeroed:
+        log.info("dropout off for training (%s): the generator samples without it", ", ".join(zeroed))
+    return config
+
+
+def _zero_dropout(config: Any, prefix: str = "") -> list[str]:
+    from transformers import PretrainedConfig
+
+    zeroed = []
+    for key, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):  # a multimodal model's text config, say
+            zeroed += _zero_dropout(value, f"{prefix}{key}.")
+        elif isinstance(value, float) and value > 0 and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)
+            zeroed.append(f"{prefix}{key}={value:g}")
+    return zeroed
 
 
 def moments(x: torch.Tensor) -> tuple[float, float, float]:

@@ -270,3 +270,17 @@ def test_the_loss_settings_come_from_the_runs_algo_section() -> None:
     loss = PolicyLossConfig.from_config(cfg)
     assert (loss.correction, loss.is_cap, loss.clip_low, loss.clip_high) == ("none", 3.0, 0.2, 0.28)
     assert (loss.ratio_level, loss.aggregation) == (cfg.algo.loss.ratio_level, cfg.algo.loss.aggregation)
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "gae", "grpo"])
+def test_a_batch_of_empty_responses_gets_empty_advantages_not_an_error(estimator: str) -> None:
+    """A rank whose sequences all have empty completions (a prompt that filled the model's
+    context ends with no token) has a [B, 0] mask: the token estimators raised on it."""
+    rewards_GN = torch.tensor([[1.0, 0.0]])
+    mask_BT = torch.zeros(2, 0)
+    values = torch.zeros(2, 0) if estimator == "gae" else None
+    from learner import algos
+
+    adv, returns = algos.advantages(estimator, rewards_GN, mask_BT, values_BT=values)
+    assert adv.shape == (2, 0)
+    assert returns is None or returns.shape == (2, 0)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -179,3 +181,27 @@ def test_trainer_entropy_is_that_of_the_sampled_distribution(fused: bool) -> Non
         lp, ent = trainer._token_stats(policy, mb, smb, entropy_grad=False)
     torch.testing.assert_close(lp, expected_lp, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ent, expected_ent, rtol=1e-4, atol=1e-4)
+
+
+def test_the_learner_trains_without_dropout(tmp_path: Path) -> None:
+    """A checkpoint whose config asks for dropout (attention_dropout here; GPT-2's resid_pdrop and
+    the like too): the learner's forward in train mode took each log-probability under a random
+    sub-network, against behaviour log-probabilities sampled without one. Now it loads with every
+    dropout probability at 0: two forwards in train mode agree."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from flywheel.tiny import model_config
+    from learner.trainer import config_without_dropout
+
+    config = model_config(vocab_size=64)
+    config.attention_dropout = 0.5
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "m")
+    ids = torch.arange(2, 30)[None]
+    outputs = {}
+    for name, conf in (("as saved", None), ("learner", config_without_dropout(str(tmp_path / "m")))):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", config=conf, attn_implementation="eager").train()
+        outputs[name] = [model(ids).logits for _ in range(2)]
+    assert not torch.equal(*outputs["as saved"])  # the checkpoint's dropout does act in train mode
+    torch.testing.assert_close(*outputs["learner"])
+    assert config_without_dropout(str(tmp_path / "m")).attention_dropout == 0.0
