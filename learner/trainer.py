@@ -1054,13 +1054,15 @@ class Trainer:
             self.broadcaster.close()
 
 
-def config_without_dropout(path: str, **overrides: Any) -> Any:
+def config_without_dropout(path: str | None, **overrides: Any) -> Any:
     """The model's config with every dropout probability at 0. The generator samples without
     dropout; a learner forward with it would take each log-probability under a random sub-network,
     and the importance ratios against the behaviour log-probabilities would be noise (OpenRLHF
     and TRL turn it off too). Set in the config, before the model is built: modules copy it then."""
     from transformers import AutoConfig
 
+    if path is None:
+        raise ValueError("train.model is required: pass --train.model PATH (an HF causal-LM directory or name)")
     config = AutoConfig.from_pretrained(path, **overrides)
     zeroed = _zero_dropout(config)
     if zeroed:
