@@ -372,6 +372,10 @@ class ClaimsAhead:
             return batch
         return self.client.claim(self.n_groups, version, wait_s)
 
+    def ahead_version(self) -> int | None:
+        """The version a claim was made ahead for (its claim raised the hub's floor to it - η)."""
+        return None if self._ahead is None else self._ahead[0]
+
     def claim_ahead(self, version: int) -> None:
         """Start claiming the batch for ``version`` (not at η = 0, nor when one is already coming)."""
         if self.client.policy.max_staleness < 1 or self._ahead is not None:

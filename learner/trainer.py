@@ -339,6 +339,7 @@ class Trainer:
             if stats is None:  # every group was filtered out: no signal, no step
                 self.client.note_finished(len(batch.groups), trained=False)
                 self._note_batch_without_signal(batch)
+                self._sync_past_the_floor_claimed_ahead()
                 continue
             self.version += 1
             stats.version = self.version
@@ -448,6 +449,25 @@ class Trainer:
                         raise RuntimeError(f"learner v{self.version}: no batch within {timeout_s:g}s: {err}") from err
                 if catch_up:
                     self._catch_up_generators()
+
+    def _sync_past_the_floor_claimed_ahead(self) -> None:
+        """After a step that did not happen. The claim made ahead for v+1 raised the hub's floor
+        to v+1-η: it leases only to generators with weights that new, and drops ready groups
+        older. With async.sync_every = η+1 the fleet may still hold v-η, the weights of the last
+        sync; the sync that the step to v+1 would have made does not come, nor does any group
+        for the claim at v: the learner would wait out train.batch_timeout_s and fail. So this
+        version's weights go out now (every rank is here: the ranks agree there was no step)."""
+        ahead = self.claims.ahead_version()
+        if ahead is not None and self.synced_version < ahead - self.cfg.async_.max_staleness:
+            log.info(
+                "no step at v%d, and the claim made ahead for v%d needs weights newer than the fleet's v%d: "
+                "sending v%d's now",
+                self.version,
+                ahead,
+                self.synced_version,
+                self.version,
+            )
+            self.sync_weights()
 
     def _catch_up_generators(self) -> None:
         """Send the current weights to generators that lack them (see ``claim``)."""
