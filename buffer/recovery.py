@@ -106,8 +106,15 @@ def load(hub: Hub) -> None:
 def _load_group(hub: Hub, gid: int) -> OpenGroup | None:
     raw = hub.redis.hgetall(hub.keys.group(gid))
     if META not in raw:
-        log.warning("open group %d has no data in Redis; forgetting it", gid)
-        hub.redis.srem(hub.keys.open, gid)
+        # Lost by Redis itself (an eviction under maxmemory, a hand's DEL): counted as dropped,
+        # or it would hold a slot under the staleness bound for the rest of the run.
+        log.error("open group %d has no data in Redis (evicted or deleted?): forgotten, counted as dropped", gid)
+        pipe = hub.redis.pipeline(transaction=True)
+        pipe.srem(hub.keys.open, gid)
+        pipe.hincrby(hub.keys.counters, "groups_dropped", 1)
+        pipe.hincrby(hub.keys.counters, "groups_lost_in_redis", 1)
+        pipe.execute()
+        hub.groups_dropped += 1
         return None
     meta = unpack(GroupMeta, raw[META])
     samples = [SampleAssembly(lease_id=-1) for _ in range(meta.n_samples)]

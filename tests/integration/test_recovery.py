@@ -245,3 +245,36 @@ def test_a_sample_reissued_just_before_the_kill_starts_over_after_the_restart(cl
     assert (second.acked, second.rejected) == (6, 0)
     first.close()
     second.close()
+
+
+def test_an_open_group_redis_lost_is_counted_as_dropped_not_held_for_good(cluster: Cluster) -> None:
+    """A group the hub had open whose data Redis no longer holds (evicted under maxmemory, or
+    deleted by hand) while the hub was down: recovery forgot it without counting it dropped, so
+    it held its slot under the staleness bound for good. At η = 0 and one group a step, that
+    was the only slot: no lease ever again."""
+    import redis
+
+    from flywheel.store import RunKeys
+
+    args = (
+        *("--async.max_staleness", "0", "--async.groups_per_step", "1", "--data.n_samples_per_prompt", "2"),
+        *("--hub.generator_timeout_s", "1",),
+    )  # fmt: skip
+    ports = cluster.start_hub(*args)
+    gen = HandGenerator(cluster.gen_address, "g0")
+    gen.register()
+    lease = gen.wait_lease()
+    assert cluster.hub is not None
+    cluster.hub.proc.kill()
+    cluster.hub.proc.wait(timeout=10)
+    r, keys = redis.Redis.from_url(cluster.redis.url), RunKeys("flywheel")
+    assert r.delete(keys.group(lease.group_id)) == 1
+    cluster.start_hub(*args, ports=ports)
+    gen.close()
+    again = HandGenerator(cluster.gen_address, "g1")
+    again.register()
+    fresh = again.wait_lease(timeout_s=20)
+    assert fresh.group_id != lease.group_id
+    counters = {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()}
+    assert counters["groups_dropped"] == 1 and counters["groups_lost_in_redis"] == 1
+    again.close()
