@@ -647,6 +647,9 @@ class Hub:
         self._pipe.hincrby(self.keys.counters, "groups_dropped_reward", 1)
         self.groups_dropped += 1
         self.stats.groups_dropped_reward += 1
+        # issued again, as a stale group's: a failure of the reward service (a worker killed, a
+        # reward model restarting) would otherwise spend the prompt for the epoch
+        self._requeue(group.meta, "for failed rewards")
         del self.groups[gid]
         log.warning("group %d dropped: %d failed scores (first: %s)", gid, len(failed), failed[0])
         self._reward_drops_here += 1
@@ -889,10 +892,10 @@ class Hub:
             self._dropped_groups.clear()
             self._revoked_leases.clear()
 
-    def _requeue(self, meta: GroupMeta) -> None:
+    def _requeue(self, meta: GroupMeta, why: str = "as too stale") -> None:
         """Issue a dropped group's prompt again, before the cursor advances, unless it has had its
-        ``async.max_requeues`` attempts: a prompt whose answers always outlast the bound is then
-        skipped and counted, not generated for good."""
+        ``async.max_requeues`` attempts: a prompt whose answers always outlast the bound (or
+        always fail their reward) is then skipped and counted, not generated for good."""
         if not self.cfg.async_.requeue_stale:
             return
         attempt = meta.attempt + 1
@@ -900,8 +903,9 @@ class Hub:
             self.stats.prompts_abandoned += 1
             self._pipe.hincrby(self.keys.counters, "prompts_abandoned", 1)
             log.warning(
-                "prompt %d dropped as too stale %d times: skipped (async.max_requeues %d)",
+                "prompt %d dropped %s %d times: skipped (async.max_requeues %d)",
                 meta.prompt_index,
+                why,
                 attempt,
                 self.cfg.async_.max_requeues,
             )

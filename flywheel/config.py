@@ -222,15 +222,17 @@ class AsyncConfig(_Section):
         8, ge=1, le=1 << 20, description="Prompt groups the learner consumes per optimizer step."
     )
     requeue_stale: bool = Field(
-        True, description="Re-queue the prompts of groups dropped as too stale (otherwise they are skipped)."
+        True,
+        description="Re-queue the prompts of groups dropped as too stale, or for failed rewards (reward.on_error "
+        "drop_group); otherwise they are skipped.",
     )
     max_requeues: int = Field(
         3,
         ge=0,
         le=1000,
-        description="A prompt dropped as too stale is issued again at most this many times, then skipped and "
-        "counted (prompts_abandoned): one whose answers always take longer than the bound would otherwise "
-        "take generation time for good.",
+        description="A prompt dropped (too stale, failed rewards) is issued again at most this many times, then "
+        "skipped and counted (prompts_abandoned): one whose answers always take longer than the bound, or always "
+        "fail their reward, would otherwise take generation time for good.",
     )
     revoke_stale: bool = Field(
         True,

@@ -481,7 +481,9 @@ def test_rewards_that_fail_on_every_group_are_said_loudly(cluster: Cluster) -> N
     out of data.metadata_keys) dropped every group with a warning each: the run spent its prompts
     and ended having trained nothing. The hub now says, once and as an error, that no group has
     survived its rewards, with the first error and what to check."""
-    start_hub_and_generator(cluster, "--async.max_staleness", "16", "--data.metadata_keys", "[]")
+    start_hub_and_generator(
+        cluster, "--async.max_staleness", "16", "--data.metadata_keys", "[]", "--async.max_requeues", "1"
+    )
     cluster.start_reward("--reward.functions", "arithmetic")
     wait_until(
         lambda: cluster.metrics()["flywheel_hub_groups_dropped_reward_total"] >= 9,
@@ -489,7 +491,11 @@ def test_rewards_that_fail_on_every_group_are_said_loudly(cluster: Cluster) -> N
         "groups dropped for failed rewards",
         poll_s=0.3,
     )
+    # each dropped group's prompt is issued again (a failed reward service would spend it), up
+    # to async.max_requeues times: these always fail, and are then skipped
+    wait_until(lambda: cluster.metrics()["flywheel_hub_prompts_abandoned_total"] >= 1, 60, "a prompt abandoned")
     log = cluster.hub.log_path.read_text()
+    assert "dropped for failed rewards 2 times: skipped (async.max_requeues 1)" in log
     assert "every group scored so far (8) failed its rewards, first error: exception: arithmetic: ValueError" in log
     assert "metadata has no 'answer'" in log and "check reward.functions" in log
     assert log.count("every group scored so far") == 1  # said once
