@@ -24,6 +24,12 @@ from reward_service.scoring import FunctionSpec, Item, Outcome, Scorer
 log = logging.getLogger(__name__)
 
 
+# A replacement worker that fails to start is started again this many times in a row before the
+# pool gives up: what failed the first start (the config, the code) fails every one, but what
+# killed a replacement (memory still short after an OOM kill, a slow disk) may not be there next.
+REPLACEMENT_STARTS = 5
+
+
 class PoolError(RuntimeError):
     """The pool cannot work at all (a worker failed to start): the service must stop."""
 
@@ -37,6 +43,9 @@ class Worker:
     ready: bool = False
     batch: list[Item] = field(default_factory=list)
     sent_at: float = 0.0
+    # a replacement's consecutive failed starts (a first start that fails fails the pool)
+    replacement: bool = False
+    failed_starts: int = 0
 
     @property
     def busy(self) -> bool:
@@ -63,13 +72,13 @@ class WorkerPool:
         self.restarts = 0
         self.workers = [self._spawn(i) for i in range(size)]
 
-    def _spawn(self, index: int) -> Worker:
+    def _spawn(self, index: int, replacement: bool = False, failed_starts: int = 0) -> Worker:
         parent, child = self._mp.Pipe()
         proc = self._mp.Process(target=_worker_main, args=(child, *self._args), name=f"reward-worker-{index}")
         proc.daemon = True
         proc.start()
         child.close()
-        return Worker(index, proc, parent, time.monotonic())
+        return Worker(index, proc, parent, time.monotonic(), replacement=replacement, failed_starts=failed_starts)
 
     def filenos(self) -> list[int]:
         return [w.conn.fileno() for w in self.workers]
@@ -96,38 +105,56 @@ class WorkerPool:
 
     def collect(self) -> list[Result]:
         """Finished batches, plus batches whose worker died or ran past the deadline (their
-        worker is replaced). Raises PoolError when a worker cannot start."""
+        worker is replaced). Raises PoolError when a worker cannot start (``_start_failed``)."""
         results: list[Result] = []
         now = time.monotonic()
         for i, w in enumerate(self.workers):
-            failure = None
+            failure = start_failure = None
             try:
                 while w.conn.poll():
                     msg = w.conn.recv()
                     if msg == "ready":
-                        w.ready = True
+                        w.ready, w.failed_starts = True, 0
                     elif isinstance(msg, tuple) and msg[0] == "init_error":
-                        raise PoolError(f"reward worker failed to start: {msg[1]}")
+                        start_failure = f"failed to start: {msg[1]}"
+                        break
                     else:
                         results.append((w.batch, msg))
                         w.batch = []
             except (EOFError, OSError):
-                if not w.ready:  # it never started: restarting would fail the same way, forever
+                if not w.ready:
                     w.proc.join(timeout=5)
-                    raise PoolError(f"reward worker exited with code {w.proc.exitcode} before it was ready") from None
-                failure = f"crash: worker exited with code {w.proc.exitcode}"
+                    start_failure = f"exited with code {w.proc.exitcode} before it was ready"
+                else:
+                    failure = f"crash: worker exited with code {w.proc.exitcode}"
             if failure is None and w.busy and now - w.sent_at > self.timeout_s:
                 failure = f"timeout: no answer within reward.timeout_s = {self.timeout_s:g}s"
-            if failure is None and not w.ready and now - w.started_at > self.start_timeout_s:
-                raise PoolError(f"reward worker did not start within {self.start_timeout_s:g}s")
-            if failure is not None:
+            if start_failure is None and not w.ready and now - w.started_at > self.start_timeout_s:
+                start_failure = f"did not start within {self.start_timeout_s:g}s"
+            if start_failure is not None:
+                self._start_failed(i, w, start_failure)
+            elif failure is not None:
                 log.warning("reward worker %d: %s (%d samples); restarting it", w.index, failure, len(w.batch))
                 if w.batch:
                     results.append((w.batch, failure))
                 self._kill(w)
-                self.workers[i] = self._spawn(w.index)
+                self.workers[i] = self._spawn(w.index, replacement=True)
                 self.restarts += 1
         return results
+
+    def _start_failed(self, i: int, w: Worker, why: str) -> None:
+        """A worker that could not start (it holds no batch: none is sent before it is ready). A
+        first start that fails fails the pool: restarting would fail the same way, forever. A
+        replacement is started again, up to ``REPLACEMENT_STARTS`` times in a row."""
+        failed = w.failed_starts + 1
+        if not w.replacement or failed >= REPLACEMENT_STARTS:
+            tries = f" ({failed} replacements in a row)" if w.replacement else ""
+            raise PoolError(f"reward worker {why}{tries}")
+        log.warning("replacement reward worker %d %s: starting it again (%d of %d)", w.index, why, failed + 1,
+                    REPLACEMENT_STARTS)  # fmt: skip
+        self._kill(w)
+        self.workers[i] = self._spawn(w.index, replacement=True, failed_starts=failed)
+        self.restarts += 1
 
     def _kill(self, w: Worker) -> None:
         if w.proc.is_alive():

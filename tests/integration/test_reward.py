@@ -457,6 +457,41 @@ def test_a_worker_killed_while_idle_costs_no_sample_its_error() -> None:
         service.close()
 
 
+def test_a_replacement_worker_that_fails_to_start_is_started_again_not_the_services_end(tmp_path: Path) -> None:
+    """A worker killed (the OOM killer), and its replacement failing to start while the cause
+    lasts (here its tokenizer is away for a moment): the pool raised, and the whole service
+    exited. A replacement is now started again, up to REPLACEMENT_STARTS times in a row; a first
+    start that fails still fails the pool, at once (the config is wrong)."""
+    import os
+    import shutil
+    import signal
+
+    from flywheel.tiny import build_tokenizer
+    from reward_service.pool import PoolError, WorkerPool
+    from reward_service.scoring import FunctionSpec
+
+    tok = build_tokenizer(tmp_path / "tok")
+    spec = [FunctionSpec("tests.integration.reward_fns:parity", 1.0, {})]  # reads text: loads the tokenizer
+    with pytest.raises(PoolError, match="failed to start"):
+        broken = WorkerPool(1, spec, str(tmp_path / "nowhere"), {"max_tokens": 16}, timeout_s=10)
+        try:
+            wait_until(lambda: broken.collect() == [] and False, 60, "the first start's failure")
+        finally:
+            broken.close()
+    pool = WorkerPool(1, spec, str(tok), {"max_tokens": 16}, timeout_s=10)
+    try:
+        wait_until(lambda: pool.collect() == [] and pool.ready_count() == 1, 120, "the worker ready")
+        shutil.move(tok, tmp_path / "away")
+        os.kill(pool.workers[0].proc.pid, signal.SIGKILL)
+        pool.workers[0].proc.join(timeout=10)
+        wait_until(lambda: pool.collect() == [] and pool.restarts >= 2, 120, "a replacement that failed to start")
+        shutil.move(tmp_path / "away", tok)
+        wait_until(lambda: pool.collect() == [] and pool.ready_count() == 1, 120, "a replacement ready")
+        assert pool.workers[0].failed_starts == 0
+    finally:
+        pool.close()
+
+
 def test_the_service_never_blocks_on_a_hub_that_is_away() -> None:
     """With the hub away, the socket's queue fills (a heartbeat a second: about 17 minutes); a
     blocking send would then stop the loop. What cannot be queued is dropped and counted."""
