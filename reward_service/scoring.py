@@ -40,6 +40,12 @@ class Item:
     metadata: dict[str, Any]
     prompt_text: str | None = None  # the prompt as the dataset gave it; None: decode the tokens
 
+    @property
+    def fingerprint(self) -> int:
+        """What tells two requests under one (group, sample) apart: a re-send has the same, a
+        new response (a restarted hub's, a new run's) another."""
+        return hash((self.prompt_tokens, self.completion_tokens, self.finish_reason))
+
 
 @dataclass
 class Outcome:

@@ -74,6 +74,7 @@ class RewardService:
         self.answered: OrderedDict[tuple[int, int], tuple[int, Score]] = OrderedDict()
         self.duplicates = 0
         self.answered_again = 0
+        self.superseded = 0  # answers not sent: a newer request under the same key came meanwhile
         self.unsent = 0  # messages dropped because the hub was unreachable (it re-sends its requests)
         self.scored = 0
         self.errors: Counter[str] = Counter()
@@ -124,27 +125,27 @@ class RewardService:
                 self.rejects.reject(err.reason, err, "hub")
                 continue
             assert isinstance(req, ScoreRequest)
-            key = (req.group_id, req.sample)
-            if key in self.held:
-                self.duplicates += 1
+            item = Item(
+                key=(req.group_id, req.sample),
+                prompt_tokens=req.prompt_tokens,
+                completion_tokens=req.response_tokens,
+                finish_reason=req.finish_reason,
+                metadata=dict(req.metadata),
+                prompt_text=req.prompt_text,
+            )
+            fingerprint = item.fingerprint
+            if self.held.get(item.key) == fingerprint:
+                self.duplicates += 1  # a re-send of what is being scored
                 continue
-            fingerprint = hash((req.prompt_tokens, req.response_tokens, req.finish_reason))
-            recent = self.answered.get(key)
+            recent = self.answered.get(item.key)
             if recent is not None and recent[0] == fingerprint:
                 self.answered_again += 1
                 self._send(encode(recent[1]))
                 continue
-            self.held[key] = fingerprint
-            self.queue.append(
-                Item(
-                    key=key,
-                    prompt_tokens=req.prompt_tokens,
-                    completion_tokens=req.response_tokens,
-                    finish_reason=req.finish_reason,
-                    metadata=dict(req.metadata),
-                    prompt_text=req.prompt_text,
-                )
-            )
+            # (held under another fingerprint: a new request under an old key, from a restarted
+            # hub or a new run; it supersedes the one being scored, whose answer is not sent)
+            self.held[item.key] = fingerprint
+            self.queue.append(item)
 
     def _dispatch(self) -> None:
         idle = self.pool.idle()
@@ -171,7 +172,11 @@ class RewardService:
             result = [Outcome(error=result)]  # "timeout: ..." or "crash: ..."
         scores = []
         for item, out in zip(items, result, strict=True):
-            fingerprint = self.held.pop(item.key, None)
+            fingerprint = item.fingerprint
+            if self.held.get(item.key) != fingerprint:
+                self.superseded += 1  # a newer request holds its key: this answer would be wrong for it
+                continue
+            del self.held[item.key]
             reward = out.reward
             if out.error is not None:
                 self.errors[out.error.split(":", 1)[0]] += 1
@@ -188,8 +193,7 @@ class RewardService:
                     error=None if out.error is None else clip_error(out.error),
                 )
             )
-            if fingerprint is not None:
-                self._remember(item.key, fingerprint, scores[-1])
+            self._remember(item.key, fingerprint, scores[-1])
         for i in range(0, len(scores), SCORES_PER_FRAME):  # one frame per worker batch, bounded
             self._send(encode(ScoreBatch(worker_id=self.service_id, scores=scores[i : i + SCORES_PER_FRAME])))
 
@@ -220,7 +224,7 @@ class RewardService:
     def _log_stats(self) -> None:
         log.info(
             "scored %d | errors %s | queued %d, in workers %d | workers ready %d/%d, restarts %d | rejected %s"
-            " | re-sent while held %d, after the answer %d | unsent %d",
+            " | re-sent while held %d, after the answer %d | superseded %d | unsent %d",
             self.scored,
             dict(self.errors) or "none",
             len(self.queue) + len(self.solo),
@@ -231,6 +235,7 @@ class RewardService:
             dict(self.rejects.counts) or "none",
             self.duplicates,
             self.answered_again,
+            self.superseded,
             self.unsent,
         )
 

@@ -340,6 +340,14 @@ def test_a_request_sent_again_after_its_answer_is_answered_again_not_scored_agai
         request([3])
         assert answer().reward != first.reward  # scored afresh: not the remembered answer
         assert service.scored == 2
+        # A new request under a key still being scored (a restarted hub's, a new run's): the one
+        # being scored was answered for it, and the new one dropped as a re-send.
+        request([3, 4, 5, 6, 7, 8, 9, 10])
+        request([3, 4])
+        latest = answer()
+        assert latest.reward == pytest.approx(2 / 16), latest  # the length reward of the newer response
+        assert receive() is None or isinstance(receive(), RewardRegister)  # and no second answer
+        assert service.superseded in (0, 1)  # 1 when both were held at once (the usual case)
     finally:
         service.stop()
         loop.join(timeout=30)
@@ -440,8 +448,9 @@ def test_a_worker_killed_while_idle_costs_no_sample_its_error() -> None:
         worker = pool.workers[0]
         os.kill(worker.proc.pid, signal.SIGKILL)
         worker.proc.join(timeout=10)
-        service.held[(7, 0)] = 0
-        service.queue.append(Item((7, 0), pack_i32([1, 2]), pack_i32([3, 4, 5]), "stop", {}))
+        item = Item((7, 0), pack_i32([1, 2]), pack_i32([3, 4, 5]), "stop", {})
+        service.held[(7, 0)] = item.fingerprint
+        service.queue.append(item)
         service._dispatch()  # the send to the dead worker fails: the item stays queued
         assert len(service.queue) == 1 and pool.busy_count() == 0
 
