@@ -69,9 +69,15 @@ class WeightReceiverExtension:
                     # succeeds (``touched``).
                     failed.append(err)
 
+            tensors = stream()
             try:
-                self.model_runner.reload_weights(weights_iterator=stream())  # type: ignore[attr-defined]
+                self.model_runner.reload_weights(weights_iterator=tensors)  # type: ignore[attr-defined]
             except Exception as err:  # vLLM's own loader failed (a name or a shape it does not know)
+                # The rest of the broadcast is received all the same, and dropped: every bucket
+                # is a collective of the whole group, and a rank that stopped taking part would
+                # fail the sync of every other generator in it, at every sync while the cause lasts.
+                for _ in tensors:
+                    pass
                 # Its in-place reload moved every layer to the meta device first and puts them
                 # back only in its finalize step, which an error in the loader skips: the engine
                 # would die at its next forward. Layers not loaded get their old tensors back.

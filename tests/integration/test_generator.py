@@ -207,8 +207,13 @@ def test_bad_syncs_late_weights_and_drain(
     # acked, and the engine, whose layers that loader had moved to the meta device, still works
     bogus = {"model.layers.0.bogus.weight": torch.zeros(4), **model.state_dict()}
     assert broadcaster.wait_for_members(1, timeout_s=30)
+    broadcaster.cfg.bucket_mb = 1 / 16  # many buckets: the loader fails on the first of them
     report = broadcaster.sync(3, bogus.items())
+    broadcaster.cfg.bucket_mb = 256.0
     assert report.acked == [] and "bogus" in report.evicted.get("g0", ""), report
+    # ...and the generator took the rest of the broadcast all the same: a rank that stopped would
+    # fail the sync of every other generator in the group
+    assert report.broadcast_s > 0, report
     assert broadcaster.wait_for_members(1, timeout_s=30)
     report = broadcaster.sync(4, perturbed(hf(checkpoint_dir), seed=3).state_dict().items())
     assert report.acked == ["g0"], report
