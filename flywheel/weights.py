@@ -452,10 +452,10 @@ def receive(group: WeightGroup, ready: WeightsReady) -> Iterator[tuple[str, torc
     """
 
     def post(layout: BucketLayout) -> tuple[BucketLayout, torch.Tensor, Any]:
-        buf = _recv_buffer(group, layout.nbytes, largest)
+        buf = _recv_buffer(group, layout.nbytes, pooled)
         return layout, buf, group.start(buf)
 
-    largest = max((b.nbytes for b in ready.buckets), default=0)
+    pooled = pooled_buffer_bytes(ready.buckets)
 
     layouts = iter(ready.buckets)
     first = next(layouts, None)
@@ -468,21 +468,33 @@ def receive(group: WeightGroup, ready: WeightsReady) -> Iterator[tuple[str, torc
         yield from unpack_bucket(buf, layout)
 
 
-def _recv_buffer(group: WeightGroup, nbytes: int, largest: int) -> torch.Tensor:
+def pooled_buffer_bytes(buckets: list[BucketLayout]) -> int:
+    """The size of the receive buffers kept between buckets and syncs: the largest bucket of
+    several tensors (about ``sync.bucket_mb``). A tensor bigger than a bucket comes alone, in a
+    buffer of its own that is not kept: pooled buffers that size (an untied 152k x 3584
+    embedding is 1.1 GB in bf16) would hold up to four times it for good, on the GPU, outside
+    vLLM's memory budget."""
+    shared = [b.nbytes for b in buckets if len(b.names) > 1]
+    return max(shared) if shared else max((b.nbytes for b in buckets), default=0)
+
+
+def _recv_buffer(group: WeightGroup, nbytes: int, pooled: int) -> torch.Tensor:
     """A buffer for the next bucket: a pooled one that nothing references any more, or a new one.
 
     The consumer may keep views of a bucket after it asked for the next (vLLM's layer-wise reload
     holds a layer's tensors until the layer is complete), so a buffer is reused only once its
     storage has no other user. Reuse saves the page faults of fresh memory, which on CPUs cost
-    as much as the transfer itself.
+    as much as the transfer itself. A bucket over ``pooled`` bytes gets a buffer of its own.
     """
+    if nbytes > pooled:
+        return torch.empty(nbytes, dtype=torch.uint8, device=group.device)
     for i, buf in enumerate(group.recv_pool):
         # 2 = the pooled tensor + the temporary storage object of this call; a live view adds 1
         if buf.numel() >= nbytes and torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2:
             del group.recv_pool[i]
             group.recv_pool.append(buf)  # most recently used last
             return buf[:nbytes]
-    buf = torch.empty(max(nbytes, largest), dtype=torch.uint8, device=group.device)
+    buf = torch.empty(pooled, dtype=torch.uint8, device=group.device)
     group.recv_pool.append(buf)
     if len(group.recv_pool) > 4:
         group.recv_pool.pop(0)  # forget the oldest; whoever still holds its views keeps it alive
@@ -495,15 +507,22 @@ def send(group: WeightGroup, buckets: list[BucketLayout], tensors: dict[str, tor
     Returns the seconds spent.
     """
     start = time.perf_counter()
-    largest = max((b.nbytes for b in buckets), default=0)
-    if not group.send_buffers or group.send_buffers[0].numel() < largest:
-        group.send_buffers = [torch.empty(largest, dtype=torch.uint8, device=group.device) for _ in range(2)]
-    in_flight: tuple[torch.Tensor, Any] | None = None  # the buffer must outlive its work
-    for i, layout in enumerate(buckets):
+
+    def as_it_is(layout: BucketLayout) -> torch.Tensor | None:
+        """A bucket of one tensor goes as it is, with no copy, where it can."""
         only = tensors[layout.names[0]] if len(layout.names) == 1 else None
         if only is not None and only.is_contiguous() and only.device == group.device:
-            buf = only.detach().reshape(-1).view(torch.uint8)  # a bucket of one tensor goes as it is
-        else:
+            return only.detach().reshape(-1).view(torch.uint8)
+        return None
+
+    # the two packing buffers: as large as the largest bucket packed, not the largest tensor
+    packed = max((b.nbytes for b in buckets if as_it_is(b) is None), default=0)
+    if packed and (not group.send_buffers or group.send_buffers[0].numel() < packed):
+        group.send_buffers = [torch.empty(packed, dtype=torch.uint8, device=group.device) for _ in range(2)]
+    in_flight: tuple[torch.Tensor, Any] | None = None  # the buffer must outlive its work
+    for i, layout in enumerate(buckets):
+        buf = as_it_is(layout)
+        if buf is None:
             buf = pack_bucket([tensors[n] for n in layout.names], layout, out=group.send_buffers[i % 2])
         work = group.start(buf)
         if in_flight is not None:

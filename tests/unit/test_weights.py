@@ -112,6 +112,8 @@ def test_two_processes_broadcast_every_bucket() -> None:
     try:
         group = join_group("gloo", "127.0.0.1", store.port, 0, 2, 7, 30, store=store)
         send(group, buckets, tensors)
+        # "big" went as it is: the packing buffers are a bucket's size, not the largest tensor's
+        assert all(b.numel() <= 1024 for b in group.send_buffers), [b.numel() for b in group.send_buffers]
         got = out.get(timeout=60)
     finally:
         taken.set()
@@ -363,3 +365,21 @@ def test_the_rendezvous_store_listens_on_its_host_only() -> None:
     assert opened and {ip for ip, _ in opened} == {"127.0.0.1"}, opened
     group.close()
     peer[0].close()
+
+
+def test_a_tensor_bigger_than_a_bucket_gets_a_receive_buffer_that_is_not_kept() -> None:
+    """Pooled receive buffers were all as large as the largest tensor: for a 7B model's untied
+    embedding, four buffers of 1.1 GB each on every GPU worker, for good, outside vLLM's budget."""
+    from flywheel.weights import WeightGroup, _recv_buffer, pooled_buffer_bytes
+
+    buckets = plan_buckets(named(), bucket_bytes=1024)
+    big = next(b for b in buckets if b.names == ["big"])
+    pooled = pooled_buffer_bytes(buckets)
+    assert pooled <= 1024 < big.nbytes
+    group = WeightGroup(pg=None, rank=1, world_size=2, epoch=1, device=torch.device("cpu"))
+    small = _recv_buffer(group, 200, pooled)
+    del small
+    alone = _recv_buffer(group, big.nbytes, pooled)
+    assert alone.numel() == big.nbytes
+    assert [b.numel() for b in group.recv_pool] == [pooled]  # the big one's buffer is not kept
+    assert pooled_buffer_bytes([big]) == big.nbytes  # a layout of single tensors pools their size
