@@ -132,11 +132,106 @@ def worker(rank: int, port: int, repeats: int, queue: mp.Queue) -> None:  # type
     group.close()
 
 
-def headline(rows: list[dict[str, Any]]) -> dict[str, float]:
+FAR = 4102444800.0  # the ipc syncs' deadline: far off (each wait is bounded by the group's op timeout)
+
+
+def worker_ipc(rank: int, port: int, repeats: int, queue: mp.Queue) -> None:  # type: ignore[type-arg]
+    """Both ranks on GPU 0 (``--transport ipc``): Flywheel's bucketed ipc sync (pack into two
+    shared buffers, the receiver copies each bucket out) against the floor of moving the bytes
+    between two processes on one GPU, one copy of a flat buffer through one IPC handle."""
+    from flywheel.weights import host_store, join_group, plan_buckets, receive, send
+    from flywheel.weights_ipc import _open, _share, sync_prefix
+    from flywheel.wire import WeightsReady
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    store = host_store("127.0.0.1", 300) if rank == 0 else None
+    if rank == 0:
+        queue.put(store.port)  # type: ignore[union-attr]
+        port = store.port  # type: ignore[union-attr]
+    group = join_group("ipc", "127.0.0.1", port, rank, 2, 1, 300, store=store, device=dev)
+    kv = group.ipc_store
+    steps = [0]
+
+    def barrier() -> None:
+        steps[0] += 1
+        kv.add(f"bench/{steps[0]}", 1)
+        while kv.add(f"bench/{steps[0]}", 0) < 2:
+            time.sleep(0.0001)
+
+    def timed(fn: Callable[..., None], *fn_args: object) -> float:
+        barrier()  # both ranks start together; the second waits for the receiver's last copy
+        t0 = time.perf_counter()
+        fn(*fn_args)
+        torch.cuda.synchronize()
+        barrier()
+        return time.perf_counter() - t0
+
+    def raw(src: torch.Tensor | None, flat: torch.Tensor) -> None:
+        if src is not None:  # the receiver: one copy out of rank 0's buffer
+            flat.copy_(src)
+
+    def one(buckets: list[Any], tensors: dict[str, torch.Tensor]) -> None:
+        syncs[0] += 1
+        ready = WeightsReady(
+            version=syncs[0], buckets=buckets, transport="ipc", deadline=FAR, epoch=1,
+            master_addr="127.0.0.1", master_port=port, world_size=2, ranks={"bench": 1},
+        )  # fmt: skip
+        group.deadline = FAR
+        if rank == 0:
+            group.sync_prefix = sync_prefix(ready.version, FAR)
+            send(group, buckets, tensors)
+        else:
+            for _name, _t in receive(group, ready):
+                pass
+
+    results = []
+    syncs = [0]
+    for name in MODELS:
+        named = [(n, torch.empty(s, dtype=torch.bfloat16, device=dev)) for n, s in shapes(name)]
+        tensors = dict(named)
+        for t in tensors.values():
+            t.normal_()
+        total = sum(t.numel() * 2 for t in tensors.values())
+        flat = torch.empty(total, dtype=torch.uint8, device=dev)
+        if rank == 0:
+            kv.set(f"raw/{name}", _share(flat))
+        src = _open(kv.get(f"raw/{name}"), dev) if rank == 1 else None
+        raw(src, flat)
+        raw_s = sorted(timed(raw, src, flat) for _ in range(repeats))[repeats // 2]
+        for mb in BUCKETS_MB:
+            buckets = plan_buckets(named, mb << 20)
+            one(buckets, tensors)  # warm-up: buffers, the handles opened
+            b_s = sorted(timed(one, buckets, tensors) for _ in range(repeats))[repeats // 2]
+            if rank == 0:
+                results.append(
+                    {
+                        "model": name,
+                        "params": sum(t.numel() for t in tensors.values()),
+                        "bytes": total,
+                        "bucket_mb": mb,
+                        "buckets": len(buckets),
+                        "raw_s": raw_s,
+                        "bucketed_s": b_s,
+                        "raw_gb_s": total / raw_s / 1e9,
+                        "bucketed_gb_s": total / b_s / 1e9,
+                        "efficiency": raw_s / b_s,
+                    }
+                )
+                print(results[-1], flush=True)
+        barrier()  # the receiver has dropped nothing it still reads
+        del named, tensors, flat, src
+        torch.cuda.empty_cache()
+    if rank == 0:
+        queue.put(results)
+    barrier()
+
+
+def headline(rows: list[dict[str, Any]], transport: str = "nccl") -> dict[str, float]:
     """What a run gets: the default bucket size's rows (the sweep shows the others)."""
     at_default = {m: next(r for r in rows if r["model"] == m and r["bucket_mb"] == DEFAULT_BUCKET_MB) for m in MODELS}
     return {
-        "nccl_efficiency": min(r["efficiency"] for r in at_default.values()),
+        f"{transport}_efficiency": min(r["efficiency"] for r in at_default.values()),
         "sync_7b_s": at_default["7B"]["bucketed_s"],
     }
 
@@ -146,38 +241,48 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "weight_sync_gpu.json"))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--from-results", action="store_true", help="run nothing: the headline again from --out's rows")
+    p.add_argument(
+        "--transport",
+        choices=["nccl", "ipc"],
+        default="nccl",
+        help="nccl: GPU 0 to GPU 1; ipc: two processes on GPU 0 (the learner and a generator sharing it)",
+    )
     args = p.parse_args()
+    if args.transport == "ipc" and args.out == p.get_default("out"):
+        args.out = str(ROOT / "bench" / "results" / "weight_sync_gpu_ipc.json")
     if args.from_results:
         result = json.loads(Path(args.out).read_text())
-        result["headline"] = headline(result["rows"])
+        result["headline"] = headline(result["rows"], result["config"]["transport"])
         result["config"]["default_bucket_mb"] = DEFAULT_BUCKET_MB
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result["headline"]))
         return 0
-    if torch.cuda.device_count() < 2:
-        print("needs 2 GPUs", file=sys.stderr)
+    gpus = 1 if args.transport == "ipc" else 2
+    if torch.cuda.device_count() < gpus:
+        print(f"needs {gpus} GPU(s)", file=sys.stderr)
         return 2
+    target = worker_ipc if args.transport == "ipc" else worker
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    r0 = ctx.Process(target=worker, args=(0, 0, args.repeats, queue))
+    r0 = ctx.Process(target=target, args=(0, 0, args.repeats, queue))
     r0.start()
     port = queue.get(timeout=120)
-    r1 = ctx.Process(target=worker, args=(1, port, args.repeats, queue))
+    r1 = ctx.Process(target=target, args=(1, port, args.repeats, queue))
     r1.start()
     rows = queue.get(timeout=1200)
     r0.join(60)
     r1.join(60)
     result = {
-        "headline": headline(rows),
+        "headline": headline(rows, args.transport),
         "rows": rows,
         "config": {
-            "transport": "nccl",
+            "transport": args.transport,
             "dtype": "bfloat16",
             "repeats": args.repeats,
             "buckets_mb": BUCKETS_MB,
             "default_bucket_mb": DEFAULT_BUCKET_MB,
         },
-        "machine": {"gpus": [torch.cuda.get_device_name(i) for i in range(2)], "platform": platform.platform()},
+        "machine": {"gpus": [torch.cuda.get_device_name(i) for i in range(gpus)], "platform": platform.platform()},
     }
     print(f"{'model':>6} {'bucket MB':>9} {'buckets':>7} {'GB':>6} {'raw GB/s':>9} {'bucketed GB/s':>13} {'eff':>5}")
     for r in rows:

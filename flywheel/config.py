@@ -524,8 +524,11 @@ class SyncConfig(_Section):
     )
     announce_port: int = Field(5557, ge=1, le=65535, description="Learner PUB port (WeightsReady).")
     join_port: int = Field(5558, ge=1, le=65535, description="Learner ROUTER port (SyncJoin, WeightsAck).")
-    transport: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="Process-group backend of the broadcast; auto: nccl when CUDA is available, else gloo."
+    transport: Literal["auto", "gloo", "nccl", "ipc"] = Field(
+        "auto",
+        description="How the weights travel: a gloo or nccl broadcast, or ipc (CUDA IPC handles, for a learner and "
+        "generators on one GPU, where NCCL refuses two ranks on one device). auto: nccl when CUDA is available, "
+        "else gloo; the launcher picks ipc when it must put the learner and the generators on one GPU.",
     )
     bucket_mb: float = Field(
         256.0,

@@ -610,6 +610,11 @@ class LocalLaunch:
             announce, join = self._sync_ports()
             self.overrides += ["--sync.host", self._host("learner"), "--sync.announce_port", str(announce)]
             self.overrides += ["--sync.join_port", str(join)]
+            if cfg.sync.transport == "auto" and visible_gpus() and not self.gpu_plan:
+                # every service shares the GPUs: rank 0 and a vLLM worker on one device, where
+                # NCCL refuses the pair; the weights go as CUDA IPC handles instead
+                self.overrides += ["--sync.transport", "ipc"]
+                self.console.print("weight sync: ipc (the learner and the generators share a GPU)")
         early = self._loads_while_warm_starting()
         if early:
             self._start_generators("--generator.model", self.base_model, "--generator.await_weights", "true")

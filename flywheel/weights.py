@@ -51,7 +51,9 @@ _DTYPES = {
     "uint8": torch.uint8,
 }
 TRANSPORT_BACKENDS = {"gloo": "gloo", "nccl": "nccl"}
-"""Transports that run over a process group; ``ipc`` (colocated on one GPU) is a separate path."""
+"""Transports that run over a process group; ``ipc`` (colocated on one GPU) is a separate path
+(``flywheel.weights_ipc``): the same rendezvous and bucket layout, the buckets through CUDA IPC."""
+TRANSPORTS = ("gloo", "nccl", "ipc")
 
 
 class WeightSyncError(RuntimeError):
@@ -206,6 +208,11 @@ class WeightGroup:
     send_buffers: list[torch.Tensor] = field(default_factory=list)  # rank 0: two, reused every sync
     recv_pool: list[torch.Tensor] = field(default_factory=list)  # receivers: buffers no one references any more
     connected: bool = False  # whether the backend's links are up (gloo: at construction; NCCL: first broadcast)
+    transport: str = "gloo"
+    ipc_store: Any = None  # ipc: every rank's view of the rendezvous store, which carries the handshake
+    sync_prefix: str = ""  # ipc, rank 0: the current sync's keys (weights_ipc.sync_prefix)
+    ipc_generation: int = 0  # ipc: of rank 0's two buffers (rank 0: made; receivers: opened)
+    ipc_opened: list[torch.Tensor] = field(default_factory=list)  # ipc receivers: rank 0's buffers, kept open
 
     def start(self, buf: torch.Tensor) -> Any:
         """Post a broadcast from rank 0 into ``buf``; returns the work to ``finish``."""
@@ -282,6 +289,9 @@ class WeightGroup:
         """Release the group. NCCL's orderly shutdown is collective (it waits until every rank
         shuts down), so a learner that stops while its generators serve on would hang in it: an
         NCCL group is aborted instead, which needs no peer, on a thread given a few seconds."""
+        if self.pg is None:  # ipc: no process group, only the store (and rank 0's buffers, opened)
+            self.ipc_opened = []
+            return
         if type(self.pg).__name__ != "ProcessGroupNCCL":
             _quietly(self.pg.shutdown)
             return
@@ -341,15 +351,28 @@ def join_group(
 ) -> WeightGroup:
     """Build the group (blocks until every rank joined, at most ``timeout_s``). ``ranks_left``
     (rank 0's): ranks that will never come, whose wait is given up at once (``RanksLeft``)."""
+    if transport not in TRANSPORTS:
+        raise WeightSyncError(f"unknown weight transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
     backend = TRANSPORT_BACKENDS.get(transport)
-    if backend is None:
-        raise WeightSyncError(f"transport {transport!r} does not run over a process group; use gloo or nccl")
     timeout = timedelta(seconds=max(timeout_s, 0.1))
     try:
         if store is None:
             store = dist.TCPStore(host, port, None, is_master=False, timeout=timeout)
         prefix = dist.PrefixStore(f"flywheel/weights/{epoch}", store)
         _all_joined(prefix, rank, world_size, timeout_s, ranks_left)
+        if backend is None:  # ipc: the store is the whole group
+            return WeightGroup(
+                None,
+                rank,
+                world_size,
+                epoch,
+                torch.device(device),
+                store if rank == 0 else None,
+                op_timeout_s=max(timeout_s, 0.1),
+                connected=True,
+                transport=transport,
+                ipc_store=prefix,
+            )
         if backend == "gloo":
             # gloo listens on the address its host name resolves to (a cluster node's network
             # address) unless told: on the interface that reaches the learner instead, which is
@@ -379,6 +402,7 @@ def join_group(
         store if rank == 0 else None,
         op_timeout_s=max(timeout_s, 0.1),
         connected=backend == "gloo",  # gloo connects every pair while the group is built
+        transport=transport,
     )
 
 
@@ -450,6 +474,11 @@ def receive(group: WeightGroup, ready: WeightsReady) -> Iterator[tuple[str, torc
     Double-buffered: the next bucket is already on the wire while the caller loads this one, so
     at most two buckets are held at a time.
     """
+    if group.transport == "ipc":
+        from flywheel.weights_ipc import receive_ipc, sync_prefix
+
+        yield from receive_ipc(group, ready, sync_prefix(ready.version, ready.deadline))
+        return
 
     def post(layout: BucketLayout) -> tuple[BucketLayout, torch.Tensor, Any]:
         buf = _recv_buffer(group, layout.nbytes, pooled)
@@ -507,6 +536,11 @@ def send(group: WeightGroup, buckets: list[BucketLayout], tensors: dict[str, tor
     Returns the seconds spent.
     """
     start = time.perf_counter()
+    if group.transport == "ipc":
+        from flywheel.weights_ipc import send_ipc
+
+        send_ipc(group, buckets, tensors, group.sync_prefix)
+        return time.perf_counter() - start
 
     def as_it_is(layout: BucketLayout) -> torch.Tensor | None:
         """A bucket of one tensor goes as it is, with no copy, where it can."""

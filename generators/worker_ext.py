@@ -84,7 +84,7 @@ class WeightReceiverExtension:
                 touched = True
                 self._flywheel_finalize_reload()
                 raise WeightSyncError(f"vLLM could not load the weights: {type(err).__name__}: {err}") from err
-            if ready.transport == "nccl":
+            if ready.transport in ("nccl", "ipc"):
                 # NCCL's wait() orders the device stream, it does not block this thread: without
                 # this the ack would go out before the bytes are in (and miss a late NCCL error)
                 import torch
@@ -114,7 +114,7 @@ class WeightReceiverExtension:
         self._flywheel_drop_group()
         # gloo moves host memory (the loader copies each tensor to the model's device); NCCL
         # receives straight into device memory
-        device = self.device if ready.transport == "nccl" else "cpu"  # type: ignore[attr-defined]
+        device = self.device if ready.transport in ("nccl", "ipc") else "cpu"  # type: ignore[attr-defined]
         group = join_announced(ready, rank, device)
         group.deadline = ready.deadline
         self._flywheel_group = group

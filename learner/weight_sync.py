@@ -34,6 +34,7 @@ from flywheel.weights import (
     plan_buckets,
     send,
 )
+from flywheel.weights_ipc import sync_prefix
 from flywheel.wire import Decoder, Rejections, SyncJoin, ToLearner, WeightsAck, WeightsReady, WireError, encode
 
 log = logging.getLogger(__name__)
@@ -316,6 +317,7 @@ class WeightBroadcaster:
             assert self.group is not None
             self.group.op_timeout_s = max(deadline - time.time(), 0.1)  # no broadcast outlives the deadline...
             self.group.deadline = deadline  # ...nor do all of them together
+            self.group.sync_prefix = sync_prefix(version, deadline)  # (ipc: this sync's keys)
             report.broadcast_s = send(self.group, buckets, tensors)
         except RanksLeft as err:  # not a failure of anybody's: the others get it at the next sync
             log.info("weight sync v%d given up: %s", version, err)

@@ -192,8 +192,8 @@ def test_no_broadcast_waits_past_the_syncs_deadline(left_s: float) -> None:
 
 
 def test_unknown_transport_is_refused() -> None:
-    with pytest.raises(WeightSyncError, match="ipc"):
-        join_group("ipc", "127.0.0.1", 1, 1, 2, 1, timeout_s=1)
+    with pytest.raises(WeightSyncError, match="unknown weight transport 'mpi'; use one of gloo, nccl, ipc"):
+        join_group("mpi", "127.0.0.1", 1, 1, 2, 1, timeout_s=1)
 
 
 def test_receive_buffers_are_reused_only_once_no_view_remains() -> None:
