@@ -128,6 +128,11 @@ class WeightBroadcaster:
         self.transport = (
             cfg.transport if cfg.transport != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
         )
+        if self.transport in ("nccl", "ipc") and self.device.type != "cuda":
+            raise ValueError(
+                f"sync.transport {self.transport} needs the learner on a CUDA GPU (it is on {self.device}): "
+                "use --sync.transport gloo, or auto"
+            )
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         bind = bind_host or cfg.host
         self.pub = self.ctx.socket(zmq.PUB)

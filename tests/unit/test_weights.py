@@ -383,3 +383,14 @@ def test_a_tensor_bigger_than_a_bucket_gets_a_receive_buffer_that_is_not_kept() 
     assert alone.numel() == big.nbytes
     assert [b.numel() for b in group.recv_pool] == [pooled]  # the big one's buffer is not kept
     assert pooled_buffer_bytes([big]) == big.nbytes  # a layout of single tensors pools their size
+
+
+def test_a_cpu_learner_refuses_a_gpu_transport_with_the_fix() -> None:
+    from flywheel.config import SyncConfig
+    from flywheel.redis_server import free_port
+    from learner.weight_sync import WeightBroadcaster
+
+    for transport in ("nccl", "ipc"):
+        cfg = SyncConfig(announce_port=free_port(), join_port=free_port(), transport=transport)
+        with pytest.raises(ValueError, match=f"sync.transport {transport} needs the learner on a CUDA GPU"):
+            WeightBroadcaster(cfg, device="cpu")
