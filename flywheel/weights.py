@@ -8,7 +8,9 @@ the bytes as the tensor's dtype without copying.
 
 The process group is standalone: a ``TCPStore`` hosted by the learner plus a gloo (CPU) or NCCL
 (GPU) group built directly on it, never ``torch.distributed.init_process_group``, so it cannot
-disturb DeepSpeed's or vLLM's own groups. Every operation has the group's timeout: a peer that
+disturb DeepSpeed's or vLLM's own groups. With ``ipc`` (the learner and the workers on one GPU)
+there is no process group: the buckets go through CUDA IPC buffers, the store carrying the
+handshake (``flywheel.weights_ipc``). Every operation has the group's timeout: a peer that
 never shows up makes the call raise instead of hang.
 
 Importing this module imports torch; config-only code paths must not import it.
@@ -193,9 +195,9 @@ def check_layout(buckets: list[BucketLayout], max_bytes: int) -> None:
 
 @dataclass
 class WeightGroup:
-    """A standalone process group for broadcasting weights from rank 0."""
+    """A standalone process group for broadcasting weights from rank 0 (for ``ipc``: the store only)."""
 
-    pg: Any  # ProcessGroupGloo or ProcessGroupNCCL
+    pg: Any  # ProcessGroupGloo or ProcessGroupNCCL; None for ipc
     rank: int
     world_size: int
     epoch: int
@@ -472,7 +474,8 @@ def receive(group: WeightGroup, ready: WeightsReady) -> Iterator[tuple[str, torc
     """Receive every bucket of ``ready``, yielding named tensors bucket by bucket.
 
     Double-buffered: the next bucket is already on the wire while the caller loads this one, so
-    at most two buckets are held at a time.
+    at most two buckets are held at a time (``ipc``: each bucket is copied out of rank 0's shared
+    buffers into memory of its own, which the caller may keep).
     """
     if group.transport == "ipc":
         from flywheel.weights_ipc import receive_ipc, sync_prefix

@@ -13,7 +13,13 @@ rendezvous store carries the handshake (the keys of one sync under its own prefi
   a small model;
 - ``ready/{i}``: rank 0 packed bucket ``i`` (into buffer ``i % 2``, its stream synchronised);
 - ``done/{i}/{rank}``: that receiver copied it out; rank 0 reuses the buffer for bucket ``i + 2``
-  only once every receiver has said so.
+  only once every receiver has said so;
+- ``big/{i}/{rank}``: a bucket larger than the two buffers (one tensor bigger than a bucket: an
+  untied embedding) goes through a buffer of its own, shared for that bucket only and freed once
+  every receiver copied it: buffers kept at that size would hold twice it on the GPU for good.
+
+Rank 0 deletes a sync's keys once every receiver is done with them: a group serves syncs for as
+long as its membership holds, and its store would otherwise grow by a few keys a bucket each time.
 
 The same bucket layout as the process-group transports, and the same timeouts: every wait on
 the store ends by the sync's deadline.
@@ -85,25 +91,50 @@ def send_ipc(group: WeightGroup, buckets: list[BucketLayout], tensors: dict[str,
 
     store = group.ipc_store
     assert store is not None
-    largest = max((b.nbytes for b in buckets), default=0)
+    from flywheel.weights import pooled_buffer_bytes
+
+    size = pooled_buffer_bytes(buckets)
     receivers = range(1, group.world_size)
-    if not group.send_buffers or group.send_buffers[0].numel() < largest:
-        group.send_buffers = [torch.empty(max(largest, 1), dtype=torch.uint8, device=group.device) for _ in range(2)]
+    if not group.send_buffers or group.send_buffers[0].numel() < size:
+        group.send_buffers = [torch.empty(max(size, 1), dtype=torch.uint8, device=group.device) for _ in range(2)]
         group.ipc_generation += 1
         for rank in receivers:
             shares = msgspec.msgpack.encode([_share(b) for b in group.send_buffers])
             store.set(f"buffers/{group.ipc_generation}/{rank}", shares)
     store.set(f"{prefix}/gen", str(group.ipc_generation))
     stream = torch.cuda.current_stream(group.device)
+    capacity = group.send_buffers[0].numel()
     for i, layout in enumerate(buckets):
         if i >= 2:  # buffer i % 2 last held bucket i - 2: every receiver must have copied it out
             _wait(store, [f"{prefix}/done/{i - 2}/{r}" for r in receivers], group, f"the copies of bucket {i - 2}")
-        pack_bucket([tensors[n] for n in layout.names], layout, out=group.send_buffers[i % 2])
-        stream.synchronize()  # the receivers read it from their own streams, in other processes
+        if layout.nbytes <= capacity:
+            pack_bucket([tensors[n] for n in layout.names], layout, out=group.send_buffers[i % 2])
+            stream.synchronize()  # the receivers read it from their own streams, in other processes
+            store.set(f"{prefix}/ready/{i}", "1")
+            continue
+        own = pack_bucket([tensors[n] for n in layout.names], layout, device=group.device)
+        stream.synchronize()
+        for rank in receivers:
+            store.set(f"{prefix}/big/{i}/{rank}", _share(own))
         store.set(f"{prefix}/ready/{i}", "1")
+        _wait(store, [f"{prefix}/done/{i}/{r}" for r in receivers], group, f"the copies of bucket {i}")
+        del own  # freed once the receivers closed it too (their storages hold its reference counts)
     last = [f"{prefix}/done/{i}/{r}" for i in range(max(0, len(buckets) - 2), len(buckets)) for r in receivers]
     if last:
         _wait(store, last, group, "the copies of the last buckets")
+    _forget(store, prefix, buckets, receivers, capacity)
+
+
+def _forget(store: dist.Store, prefix: str, buckets: list[BucketLayout], receivers: range, capacity: int) -> None:
+    """Delete a finished sync's keys (every receiver has copied every bucket out)."""
+    keys = [f"{prefix}/gen"]
+    for i, layout in enumerate(buckets):
+        keys.append(f"{prefix}/ready/{i}")
+        keys += [f"{prefix}/done/{i}/{r}" for r in receivers]
+        if layout.nbytes > capacity:
+            keys += [f"{prefix}/big/{i}/{r}" for r in receivers]
+    for key in keys:
+        store.delete_key(key)
 
 
 def receive_ipc(group: WeightGroup, ready: WeightsReady, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -122,10 +153,17 @@ def receive_ipc(group: WeightGroup, ready: WeightsReady, prefix: str) -> Iterato
         group.ipc_generation = generation
     shared = group.ipc_opened
     stream = torch.cuda.current_stream(group.device)
+    capacity = shared[0].numel()
     for i, layout in enumerate(ready.buckets):
         _wait(store, [f"{prefix}/ready/{i}"], group, f"bucket {i}")
         mine = torch.empty(layout.nbytes, dtype=torch.uint8, device=group.device)
-        mine.copy_(shared[i % 2][: layout.nbytes])
+        if layout.nbytes <= capacity:
+            mine.copy_(shared[i % 2][: layout.nbytes])
+        else:  # a bucket bigger than the buffers came in one of its own
+            own = _open(store.get(f"{prefix}/big/{i}/{group.rank}"), group.device)
+            mine.copy_(own[: layout.nbytes])
         stream.synchronize()  # copied before rank 0 may write the buffer again
+        if layout.nbytes > capacity:
+            del own  # closed: its reference count goes back to rank 0
         store.set(f"{prefix}/done/{i}/{group.rank}", "1")
         yield from unpack_bucket(mine, layout)

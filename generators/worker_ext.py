@@ -3,7 +3,8 @@ weight group and reloads the received weights in place, without restarting the e
 
 Called through ``AsyncLLM.collective_rpc("flywheel_update_weights", ...)``. Tensors cannot travel
 as RPC arguments, so the call carries the encoded ``WeightsReady`` and the weights themselves
-arrive over the process group (gloo on CPUs, NCCL on GPUs), one bucket at a time.
+arrive over the process group (gloo on CPUs, NCCL on GPUs), or through CUDA IPC buffers on a GPU
+the learner shares (``ipc``, ``flywheel.weights_ipc``), one bucket at a time.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class StepStats:
     version: int
     metrics: dict[str, float] = field(default_factory=dict)
     staleness: Counter[int] = field(default_factory=Counter)
-    # what this rank's means are over ("trained" tokens, "response" tokens, "seqs") and the
+    # what this rank's means are over ("trained" tokens, "seqs") and the
     # (sum, sum of squares, count) of what gets a pooled std: to combine the ranks' figures
     counts: dict[str, float] = field(default_factory=dict)
     moments: dict[str, tuple[float, float, float]] = field(default_factory=dict)
@@ -575,7 +575,7 @@ class Trainer:
                 "lr": float(self.engine.get_lr()[0]),
             }
         )
-        stats.counts.update(response=float(resp_mask.sum()), seqs=float(len(seqs)) if has_signal else 0.0)
+        stats.counts["seqs"] = float(len(seqs)) if has_signal else 0.0
         stats.moments["reward"] = moments(claimed_rewards)
         stats.moments["adv"] = moments(adv[resp_mask > 0]) if has_signal else (0.0, 0.0, 0.0)
         if self.world > 1 and apply:
@@ -589,13 +589,15 @@ class Trainer:
         import torch.distributed as dist
 
         m, eta = stats.metrics, self.cfg.async_.max_staleness
-        weights = ("trained", "response", "seqs")
+        weights = ("trained", "seqs")
         summed = [stats.counts.get(w, 0.0) for w in weights]
         summed += [m.get(k, 0.0) * stats.counts.get(w, 0.0) for k, w in RANK_WEIGHTED_MEANS.items()]
         summed += [m.get(k, 0.0) for k in (*RANK_SUMS, *RANK_MEANS)]
         summed += [x for key in POOLED for x in stats.moments.get(key, (0.0, 0.0, 0.0))]
         summed += [float(stats.staleness.get(k, 0)) for k in range(eta + 1)]
-        maxed = [m.get(k, float("-inf")) for k in RANK_MAXES]
+        # a rank with nothing to learn trained zero-weight stand-ins: its maxima are not the step's
+        trained = stats.counts.get("trained", 0.0) > 0
+        maxed = [m.get(k, float("-inf")) if trained else float("-inf") for k in RANK_MAXES]
         t = torch.tensor(summed, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         top = torch.tensor(maxed, dtype=torch.float64, device=self.device)
@@ -945,10 +947,12 @@ class Trainer:
         """Broadcast this version's weights. With ``sync.overlap`` and ``wait=False`` it returns once
         a copy is handed to the sync thread; the next sync (or ``wait=True``) waits for it first."""
         with self.full_weights() as in_memory:
+            # on every rank, not rank 0 only: the ranks decide together whether to sync
+            # (``_sync_past_the_floor_claimed_ahead``), and under ZeRO-3 the gather above is a collective
+            self.synced_version = self.version
             if self.broadcaster is None:
                 return
             weights = checkpoint_layout(self.engine.module, in_memory)
-            self.synced_version = self.version
             if self.overlapped is not None:
                 if not wait:
                     self.overlapped.start(self.version, weights)

@@ -147,10 +147,10 @@ class WorkerPool:
         first start that fails fails the pool: restarting would fail the same way, forever. A
         replacement is started again, up to ``REPLACEMENT_STARTS`` times in a row."""
         failed = w.failed_starts + 1
-        if not w.replacement or failed >= REPLACEMENT_STARTS:
+        if not w.replacement or failed > REPLACEMENT_STARTS:
             tries = f" ({failed} replacements in a row)" if w.replacement else ""
             raise PoolError(f"reward worker {why}{tries}")
-        log.warning("replacement reward worker %d %s: starting it again (%d of %d)", w.index, why, failed + 1,
+        log.warning("replacement reward worker %d %s: starting it again (%d of %d)", w.index, why, failed,
                     REPLACEMENT_STARTS)  # fmt: skip
         self._kill(w)
         self.workers[i] = self._spawn(w.index, replacement=True, failed_starts=failed)

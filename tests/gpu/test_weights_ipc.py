@@ -1,7 +1,8 @@
 """The ``ipc`` weight transport on a real GPU (skipped elsewhere): rank 0 and a receiver process on
 one device, where NCCL refuses the pair. Every tensor arrives exactly, through two shared buffers
 reused over many buckets, twice in one group (two syncs), and a sync whose buckets never come
-ends by its deadline.
+ends by its deadline. A bucket bigger than the buffers (one large tensor) goes through a buffer
+of its own, and a finished sync leaves no key behind.
 
     python -m pytest tests/gpu          # or: python tests/gpu/test_weights_ipc.py
 """
@@ -76,6 +77,8 @@ def test_two_syncs_through_shared_buffers_arrive_exactly_and_a_missing_one_times
         ready_for(3, store.port, now + 8),
     ]
     assert len(readies[0].buckets) >= 5  # the two buffers are reused
+    # "embed" (38 KB) is bigger than the buffers (the largest bucket of several tensors): its own
+    assert any(b.names == ["embed"] for b in readies[0].buckets)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=_receiver, args=(store.port, [encode(r) for r in readies], out))
@@ -93,6 +96,9 @@ def test_two_syncs_through_shared_buffers_arrive_exactly_and_a_missing_one_times
             for name, t in sent.items():
                 assert got[name].dtype == t.dtype and torch.equal(got[name], t.cpu()), name
             assert seconds < 30
+            # every key of the sync is gone once it is done: a group's store does not grow
+            prefix = sync_prefix(ready.version, ready.deadline)
+            assert not group.ipc_store.check([f"{prefix}/ready/0"]) and not group.ipc_store.check([f"{prefix}/gen"])
         # v3: announced, never sent: the receiver gives up by its deadline, with the reason
         started = time.monotonic()
         status, version, why = out.get(timeout=60)

@@ -73,7 +73,7 @@ def _rank(rank: int, port: int, out: Any) -> None:
                 "adv/std": float(adv.std()),
             }
         )
-        stats.counts.update(trained=share["trained"], response=float(len(adv)), seqs=share["seqs"])
+        stats.counts.update(trained=share["trained"], seqs=share["seqs"])
         stats.moments.update(reward=moments(rewards), adv=moments(adv))
         trainer._whole_step_figures(stats)
         out.put((rank, stats.metrics, dict(stats.staleness)))
