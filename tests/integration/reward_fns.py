@@ -71,3 +71,11 @@ def prompt_is_the_question(prompts: list[str], completions: list[str], metadata:
     return [
         {"reward": float(p == m.get("prompt")), "chars": float(len(p))} for p, m in zip(prompts, metadata, strict=True)
     ]
+
+
+def length_slow_when_long(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
+    """The length reward (len / 16), taking 2 s on a completion of 8 tokens or more: a newer
+    request under the same key surely comes while such a one is being scored."""
+    if any(len(ids) >= 8 for ids in kwargs["completion_ids"]):
+        time.sleep(2.0)
+    return [len(ids) / 16 for ids in kwargs["completion_ids"]]

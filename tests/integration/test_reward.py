@@ -283,7 +283,7 @@ def test_a_score_the_hub_refuses_fails_its_sample_not_the_frame_it_came_in(clust
         sock.close()
 
 
-def test_a_request_sent_again_after_its_answer_is_answered_again_not_scored_again() -> None:
+def test_a_request_sent_again_after_its_answer_is_answered_again_not_scored_again(tmp_path: Path) -> None:
     """The hub's re-send can arrive just after the service answered (or the answer was lost on
     the way): the service sends its answer again rather than scoring the sample a second time.
     A different request under the same (group, sample) is scored afresh."""
@@ -291,6 +291,7 @@ def test_a_request_sent_again_after_its_answer_is_answered_again_not_scored_agai
 
     from flywheel.config import RewardConfig
     from flywheel.redis_server import free_port
+    from flywheel.tiny import build_tokenizer
     from flywheel.wire import Decoder, RewardRegister, Score, ScoreBatch, ScoreRequest, ToHub, encode, pack_i32
     from reward_service.pool import WorkerPool
     from reward_service.scoring import FunctionSpec
@@ -300,7 +301,9 @@ def test_a_request_sent_again_after_its_answer_is_answered_again_not_scored_agai
     hub = zmq.Context.instance().socket(zmq.ROUTER)
     hub.setsockopt(zmq.LINGER, 0)
     hub.bind(f"tcp://127.0.0.1:{port}")
-    pool = WorkerPool(1, [FunctionSpec("length", 1.0, {})], None, {"max_tokens": 16}, timeout_s=30)
+    # the length reward, slow on long responses: the superseded request is surely still held
+    spec = [FunctionSpec("tests.integration.reward_fns:length_slow_when_long", 1.0, {})]
+    pool = WorkerPool(1, spec, str(build_tokenizer(tmp_path / "tok")), {"max_tokens": 16}, timeout_s=30)
     service = RewardService(RewardConfig(hub_address=f"tcp://127.0.0.1:{port}"), "svc", pool)
     loop = threading.Thread(target=service.run, kwargs={"max_seconds": 180}, daemon=True)
     loop.start()
