@@ -377,7 +377,7 @@ class GeneratorService:
     async def _update(self, ready: WeightsReady, raw: bytes) -> UpdateResult:
         start = time.perf_counter()
         if time.time() > ready.deadline:
-            return self._after_update(ready, "its deadline passed before this generator read it", False, start)
+            return self._ack_update(ready, "its deadline passed before this generator read it", start)
         interrupt = self.cfg.async_.partial_rollout == "interrupt"
         if interrupt:
             self._interrupts += 1
@@ -404,6 +404,10 @@ class GeneratorService:
                 self.version = ready.version
             elif touched:  # before the resume: not one more step, nor a lease, on half-loaded weights
                 self._give_up_work_of_half_loaded_weights()
+            # The learner's sync waits for this ack, not for the cache reset and the resume: they
+            # are this engine's own business (and one queued behind an engine RPC still running
+            # past a load's timeout would hold the ack up to ENGINE_CALL_TIMEOUT_S).
+            result = self._ack_update(ready, error, start)
             # Cached KV (prefix cache and running requests) came from the old weights: recompute it.
             await self._engine_call(self.engine.reset_prefix_cache(reset_running_requests=True), "reset its cache")
             lap("reset")
@@ -411,7 +415,12 @@ class GeneratorService:
             await self._engine_call(self.engine.resume_generation(), "resume")
             lap("resume")
             self._resumed.set()
-        return self._after_update(ready, error, touched, start, phases)
+        if error is None:
+            detail = " ".join(f"{k} {v:.3f}" for k, v in phases.items())
+            log.info(
+                "now serving weights v%d (update took %.3fs: %s)", self.version, time.perf_counter() - start, detail
+            )
+        return result
 
     @staticmethod
     async def _engine_call(call: Awaitable[object], what: str) -> None:
@@ -458,19 +467,12 @@ class GeneratorService:
             self._cancel_lease(lease_id)
         self.link.release(held)
 
-    def _after_update(
-        self,
-        ready: WeightsReady,
-        error: str | None,
-        touched: bool,
-        start: float,
-        phases: dict[str, float] | None = None,
-    ) -> UpdateResult:
+    def _ack_update(self, ready: WeightsReady, error: str | None, start: float) -> UpdateResult:
+        """Tell the learner how the load went, and the hub which weights this generator holds."""
         seconds = time.perf_counter() - start
         if error is None:
             self.weights_valid = True
-            detail = " ".join(f"{k} {v:.3f}" for k, v in (phases or {}).items())
-            log.info("now serving weights v%d (update took %.3fs: %s)", self.version, seconds, detail)
+            log.info("loaded weights v%d in %.3fs: acked, the engine resumes", self.version, seconds)
         else:
             log.error("could not load weights v%d: %s", ready.version, error)
             # (touched, the work went back already: _give_up_work_of_half_loaded_weights)

@@ -99,4 +99,4 @@ def test_frozen_generator_is_evicted_and_a_frozen_learner_wedges_nothing(
         assert report.acked == ["g0"], (report, gen.tail())
     finally:
         wb.close()
-    assert "now serving weights v5" in gen.log_path.read_text()
+    wait_until(lambda: "now serving weights v5" in gen.log_path.read_text(), 30, "the engine resumed on v5")

@@ -299,8 +299,9 @@ def test_learner_weights_reach_a_vllm_generator(cluster: Cluster, checkpoint_dir
         str(overlap).lower(),
     )
     assert learner.proc.wait(timeout=400) == 0, learner.tail(60)
+    wait_until(lambda: "now serving weights v2" in gen.log_path.read_text(), 30, "the engine resumed on v2")
     served = gen.log_path.read_text()
-    assert "now serving weights v1" in served and "now serving weights v2" in served
+    assert "now serving weights v1" in served
     if overlap:
         assert "now serving weights v0" in served and "lack the weights of v0" in learner.log_path.read_text()
     # the hub now leases for v2 (eta 0): what the generator makes next comes from the learner's weights
