@@ -60,30 +60,45 @@ JOIN_SETTLE_S = 1.0
 QUARANTINE_MAX_S = 600.0
 """The longest a generator that never came to a rendezvous is left out of syncs."""
 
+FAILED_SYNCS_BEFORE_QUARANTINE = 2
+"""Syncs in a row a generator may fail (an error ack, a missed deadline) while others took the
+same weights, before it is left out: each failure closes the group, which the whole fleet then
+builds again at the next sync (an NCCL rendezvous, with every engine paused); one failure may
+be a hiccup."""
+
 
 @dataclass
 class Quarantine:
-    """Generators left out of syncs because their ranks never came to a group's rendezvous: each
+    """Generators left out of syncs: those whose ranks never came to a group's rendezvous, and
+    those that failed ``FAILED_SYNCS_BEFORE_QUARANTINE`` syncs in a row that others took. Each
     repeat doubles the time out (from the sync timeout up to ``QUARANTINE_MAX_S``); a sync it acks
     clears its record."""
 
     base_s: float
     until: dict[str, float] = field(default_factory=dict)  # generator -> monotonic end of its time out
     strikes: dict[str, int] = field(default_factory=dict)
+    failed_in_a_row: dict[str, int] = field(default_factory=dict)  # generator -> syncs failed since its last ack
 
-    def add(self, gen_id: str, why: str) -> None:
+    def add(self, gen_id: str, why: str, check: str = "that it reaches the learner's sync.host and its ports") -> None:
         strikes = self.strikes.get(gen_id, 0) + 1
         self.strikes[gen_id] = strikes
         seconds = min(self.base_s * 2 ** (strikes - 1), QUARANTINE_MAX_S)
         self.until[gen_id] = time.monotonic() + seconds
         log.warning(
-            "generator %s %s: left out of weight syncs for %.0fs (time %d); check that it reaches the "
-            "learner's sync.host and its ports",
+            "generator %s %s: left out of weight syncs for %.0fs (time %d); check %s",
             gen_id,
             why,
             seconds,
             strikes,
+            check,
         )
+
+    def failed_sync(self, gen_id: str, why: str) -> None:
+        """``gen_id`` failed a sync that other generators took: a failure of its own."""
+        failed = self.failed_in_a_row.get(gen_id, 0) + 1
+        self.failed_in_a_row[gen_id] = failed
+        if failed >= FAILED_SYNCS_BEFORE_QUARANTINE:
+            self.add(gen_id, f"failed {failed} weight syncs in a row that the others took (last: {why})", "its log")
 
     def holds(self, gen_id: str, now: float) -> bool:
         return now < self.until.get(gen_id, 0.0)
@@ -97,6 +112,7 @@ class Quarantine:
     def clear(self, gen_id: str) -> None:
         self.until.pop(gen_id, None)
         self.strikes.pop(gen_id, None)
+        self.failed_in_a_row.pop(gen_id, None)
 
 
 @dataclass
@@ -363,6 +379,10 @@ class WeightBroadcaster:
             report.evicted[gen_id] = "missed the deadline"
         if report.evicted:
             log.warning("weight sync v%d: evicted %s", version, report.evicted)
+            if report.acked:  # others took these weights: a member that failed them failed on its own
+                for gen_id, why in report.evicted.items():
+                    if why not in ("restarted during the sync", "left the sync"):
+                        self.quarantine.failed_sync(gen_id, why)
             for gen_id in report.evicted:
                 if gen_id not in self._restarted:  # (a restarted one has joined afresh already)
                     self.members.pop(gen_id, None)  # it rejoins with its next SyncJoin

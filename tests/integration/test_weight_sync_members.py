@@ -63,9 +63,9 @@ def test_a_generator_back_under_its_id_ends_the_wait_for_the_old_ones_ack() -> N
         wb.close()
 
 
-def start_member(ports: tuple[int, int], gen_id: str) -> subprocess.Popen[str]:
+def start_member(ports: tuple[int, int], gen_id: str, *mode: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.weight_member", str(ports[0]), str(ports[1]), gen_id],
+        [sys.executable, "-m", "tests.integration.weight_member", str(ports[0]), str(ports[1]), gen_id, *mode],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE,
@@ -152,6 +152,45 @@ def test_a_generator_that_never_comes_to_the_rendezvous_stops_failing_the_fleets
         ghost.close()
         member.kill()
         member.wait(timeout=10)
+        wb.close()
+
+
+def heard(wb: WeightBroadcaster) -> bool:
+    """Take in what the members sent (for a ``wait_until`` predicate)."""
+    wb.poll(50)
+    return True
+
+
+def test_a_generator_that_fails_every_sync_the_others_take_is_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    """A generator whose loader refuses every sync (its own vLLM, its own memory) while the others
+    take the same weights: each failure closed the group, and it was back at its next SyncJoin, so
+    the whole fleet built the group again at every sync of the run (an NCCL rendezvous, every
+    engine paused). After two failures in a row it is left out; the group then holds (real gloo
+    group, real processes)."""
+    cfg = SyncConfig(announce_port=free_port(), join_port=free_port(), timeout_s=8)
+    ports = (cfg.announce_port, cfg.join_port)
+    wb = WeightBroadcaster(cfg)
+    tensors = {"w": torch.ones(1000), "b": torch.full((10,), 2.0)}
+    members = [start_member(ports, "gen0"), start_member(ports, "gen1", "refuses")]
+    try:
+        reports = []
+        for version in (1, 2, 3, 4):
+            expected = 2 if version <= 2 else 1
+            wait_until(lambda n=expected: heard(wb) and len(wb.live_members()) == n, 60, f"sync {version}'s members")
+            with caplog.at_level(logging.WARNING, logger="learner.weight_sync"):
+                reports.append(wb.sync(version, tensors.items()))
+            assert reports[-1].acked == ["gen0"], reports[-1]
+            if version <= 2:
+                assert "KeyError" in reports[-1].evicted["gen1"], reports[-1]
+                wait_until(lambda: heard(wb) and "gen1" in wb.members, 15, "gen1's next SyncJoin")
+        assert "generator gen1 failed 2 weight syncs in a row that the others took" in caplog.text
+        assert [r.members for r in reports] == [["gen0", "gen1"], ["gen0", "gen1"], ["gen0"], ["gen0"]], reports
+        assert not reports[3].rebuilt_group, "the group was built again with nothing changed"
+        assert "gen1" in wb.members and "gen1" not in wb.live_members()  # still heard, left out
+    finally:
+        for member in members:
+            member.kill()
+            member.wait(timeout=10)
         wb.close()
 
 

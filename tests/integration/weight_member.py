@@ -3,7 +3,10 @@ a real ``SyncLink``, builds the announced gloo group with ``join_group`` and tak
 with ``receive`` (what ``generators/worker_ext.py`` does inside a vLLM worker), then acks. It
 prints ``loaded VERSION SUM`` for each set of weights it took, the sum of every value received.
 
-    python -m tests.integration.weight_member ANNOUNCE_PORT JOIN_PORT GENERATOR_ID
+    python -m tests.integration.weight_member ANNOUNCE_PORT JOIN_PORT GENERATOR_ID [refuses]
+
+``refuses``: it takes every broadcast whole, then acks an error, as a generator whose vLLM
+loader refuses the weights does.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from flywheel.weights import WeightGroup, WeightSyncError, join_announced, recei
 from generators.sync_link import SyncLink
 
 
-def main(announce_port: int, join_port: int, generator_id: str) -> None:
+def main(announce_port: int, join_port: int, generator_id: str, refuses: bool = False) -> None:
     link = SyncLink("127.0.0.1", announce_port, join_port, generator_id, workers=1)
     version = 0
     group: WeightGroup | None = None
@@ -31,6 +34,8 @@ def main(announce_port: int, join_port: int, generator_id: str) -> None:
                         group.close()
                     group = join_announced(ready, ready.ranks[generator_id])
                 total = sum(float(t.sum()) for _, t in receive(group, ready))
+                if refuses:
+                    raise WeightSyncError("vLLM could not load the weights: KeyError: 'w'")
             except WeightSyncError as err:
                 group = None
                 link.ack(ready.version, ready.epoch, f"{type(err).__name__}: {err}", time.perf_counter() - started)
@@ -42,4 +47,4 @@ def main(announce_port: int, join_port: int, generator_id: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:] == ["refuses"])
