@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 
-from flywheel.config import service_config
+from flywheel.config import FlywheelConfig, service_config
 from flywheel.logs import setup_logging
 
 log = logging.getLogger("buffer")
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.async_.max_staleness,
         cfg.async_.groups_per_step,
     )
+    _warn_if_scores_sent_again_early(cfg)
     signal.signal(signal.SIGTERM, lambda *_: hub.stop())
     signal.signal(signal.SIGINT, lambda *_: hub.stop())
     try:
@@ -93,6 +94,23 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     log.info("hub stopped")
     return 0
+
+
+def _warn_if_scores_sent_again_early(cfg: FlywheelConfig) -> bool:
+    """A score request is sent again after ``hub.score_timeout_s``; one call of the reward
+    functions may last ``reward.timeout_s``, after the request waited its turn in the service. A
+    request sent again while its call still runs is scored twice when it reaches another reward
+    service (the one that holds it drops the copy): waste, not harm, so a warning."""
+    if cfg.hub.score_timeout_s >= 2 * cfg.reward.timeout_s:
+        return False
+    log.warning(
+        "hub.score_timeout_s %gs is under twice reward.timeout_s %gs: a score request may be sent again while its "
+        "reward call still runs, and scored twice by another reward service; raise --hub.score_timeout_s to %g",
+        cfg.hub.score_timeout_s,
+        cfg.reward.timeout_s,
+        2 * cfg.reward.timeout_s,
+    )
+    return True
 
 
 def _warn_unless_persistent(client: object, url: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -334,3 +335,13 @@ def test_an_autoscaler_with_no_fleet_of_its_own_or_a_fleet_with_two_owners_is_re
     assert load_config([*command, "--launch.services", "[learner]"]).autoscale.backend == "command"
     with pytest.raises(ConfigError, match="autoscale.blocked_frac"):
         load_config([*on, "--autoscale.blocked_frac", "0"])  # every interval "blocked": it only shrinks
+
+
+def test_a_score_timeout_under_twice_the_reward_calls_deadline_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    from buffer.__main__ import _warn_if_scores_sent_again_early
+
+    assert not _warn_if_scores_sent_again_early(FlywheelConfig())  # the defaults: 60 s against 30 s
+    with caplog.at_level(logging.WARNING, logger="buffer"):
+        cfg = FlywheelConfig.model_validate({"reward": {"timeout_s": 120}})
+        assert _warn_if_scores_sent_again_early(cfg)
+    assert "raise --hub.score_timeout_s to 240" in caplog.text

@@ -31,3 +31,17 @@ def test_the_records_of_generators_gone_for_good_are_forgotten() -> None:
     q.forget_gone({"still-heard"}, now + 11)
     assert "gone" not in q.until and "gone" not in q.strikes
     assert "still-heard" in q.strikes  # heard from: its record (and its strikes) stay
+
+
+def test_failed_syncs_quarantine_from_the_second_in_a_row_and_an_ack_forgives_them() -> None:
+    q = Quarantine(base_s=10.0)
+    now = time.monotonic()
+    q.failed_sync("gen1", "KeyError")
+    assert not q.holds("gen1", now)  # one failure may be a hiccup
+    q.failed_sync("gen1", "KeyError")
+    assert q.holds("gen1", now) and q.strikes["gen1"] == 1
+    q.failed_sync("gen1", "missed the deadline")  # back, and failing again: at once, for longer
+    assert q.strikes["gen1"] == 2 and q.until["gen1"] - now > 15
+    q.clear("gen1")  # it acked a sync
+    q.failed_sync("gen1", "KeyError")
+    assert not q.holds("gen1", now)
