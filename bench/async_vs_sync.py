@@ -187,6 +187,7 @@ def learn(
         t = time.monotonic()
         time.sleep(tokens / learner_tokens_per_s)  # the optimizer step
         client.set_version(version + 1)
+        client.note_finished([g.group_id for g in batch.groups])  # as the learner: frees the prompts
         time.sleep(sync_s)  # the weight broadcast
         trained += time.monotonic() - t
         if version >= warmup:

@@ -162,6 +162,7 @@ def run_flywheel(
             tokens += sum(len(s.tokens) for g in batch.groups for s in g.samples)
             version += 1
             client.set_version(version)
+            client.note_finished([g.group_id for g in batch.groups])  # as the learner: frees the prompts
             t1 = time.monotonic()
         after = scrape(ports["metrics_port"])
         hub_elapsed = time.monotonic() - t0

@@ -123,6 +123,7 @@ class Consumer(threading.Thread):
                         self.tokens[(g.group_id, i)] = len(s.tokens)
                 self.batches += 1
                 self.client.set_version(self.batches)
+                self.client.note_finished([g.group_id for g in batch.groups])  # as the learner: frees the prompts
         except BaseException as err:  # surfaces in the main loop
             self.error = err
 

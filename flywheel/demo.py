@@ -158,6 +158,7 @@ def _consume(cfg: FlywheelConfig, redis_server: RedisServer, steps: int, train_s
         )
         time.sleep(train_s)  # stands in for an optimizer step
         client.set_version(version + 1)
+        client.note_finished([g.group_id for g in batch.groups])
     console.print(table)
     elapsed = time.monotonic() - start
     console.print(

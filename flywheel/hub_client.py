@@ -15,7 +15,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -164,14 +164,26 @@ class BatchClient:
     def _call_id(self) -> str:
         return f"{self._client_id}-{next(self._call_ids)}"
 
-    def note_finished(self, n_groups: int, trained: bool = True) -> None:
-        """The learner is done with ``n_groups`` it claimed. Groups it could not train on (a step
-        whose every group was filtered out: no version bump) are released to admission too,
+    def note_finished(self, group_ids: Sequence[int], trained: bool = True) -> None:
+        """The learner is done with the groups it claimed, ``group_ids``: their prompts no longer
+        go back to the hub at a restart (``release_claimed``). Groups it could not train on (a
+        step whose every group was filtered out: no version bump) are released to admission too,
         counted as dropped, or each such step would shrink the admission window for good.
         Counted once however often it is retried (``FINISHED_SCRIPT``)."""
+        gids = list(group_ids)
+        self._retry(lambda: self._forget_claims(gids), "forgetting the groups trained on")
         keys = [self.keys.counters, self.keys.claim_done(self._call_id())]
-        args = [n_groups, int(trained), RECEIPT_TTL_S]
+        args = [len(gids), int(trained), RECEIPT_TTL_S]
         self._retry(lambda: self._finished(keys=keys, args=args), "counting the groups trained on")
+
+    def _forget_claims(self, gids: list[int]) -> None:
+        """Each command repeats harmlessly, and the keys lie in different slots: no transaction."""
+        if not gids:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.srem(self._claimed, *gids)
+        pipe.unlink(*[self.keys.group(gid) for gid in gids])  # what is left of them: their prompt
+        pipe.execute()
 
     def release_untrained(self) -> int:
         """At a learner's (re)start: release to admission every group claimed before and never
@@ -190,19 +202,25 @@ class BatchClient:
         )
 
     def release_claimed(self) -> int:
-        """At a learner rank's (re)start, before its first claim: delete the data of the groups
-        this rank claimed before and never read (a learner killed between its claim and its
-        load), which nothing else would ever remove; returns how many."""
+        """At a learner rank's (re)start, before its first claim: hand the hub every group this
+        rank claimed before and never trained on (a learner killed with its batch and the one it
+        claimed ahead, read or not). The hub removes what is left of them and, with
+        ``async.requeue_stale``, issues their prompts again, as for groups dropped too stale
+        (``Hub._reap_dropped``; a claimed group keeps its prompt in Redis until it is trained on).
+        Returns how many."""
 
         def release() -> int:
-            gids = [int(g) for g in self.redis.smembers(self._claimed)]
+            gids = sorted(int(g) for g in self.redis.smembers(self._claimed))
             if gids:
-                self._take_groups(gids, claim_id=None)
+                pipe = self.redis.pipeline(transaction=True)  # (run-level keys: one slot)
+                pipe.rpush(self.keys.dropped, *gids)
+                pipe.delete(self._claimed)
+                pipe.execute()
             return len(gids)
 
-        n = self._retry(release, "removing the data of claims never read")
+        n = self._retry(release, "handing back claims never trained on")
         if n:
-            log.warning("%d groups claimed before this start were never read: their data is removed", n)
+            log.warning("%d groups claimed before this start were never trained on: handed back to the hub", n)
         return n
 
     def data_done(self) -> bool:
@@ -265,7 +283,8 @@ class BatchClient:
         """Read the claimed groups, then remove them: in two steps, each retried alone, so that a
         retry never reads what its first attempt already removed."""
         raw_groups = self._retry(lambda: self._read_groups(pairs), "loading a claimed batch")
-        self._retry(lambda: self._take_groups([gid for gid, _ in pairs], claim_id), "removing a loaded batch")
+        metas = {gid: raw[META] for (gid, _), raw in zip(pairs, raw_groups, strict=True) if META in raw}
+        self._retry(lambda: self._take_groups(metas, claim_id), "removing a loaded batch")
         return self._decode_groups(pairs, raw_groups, learner_version)
 
     def _read_groups(self, pairs: list[tuple[int, int]]) -> list[dict[bytes, bytes]]:
@@ -279,13 +298,15 @@ class BatchClient:
             raw_groups += pipe.execute()
         return raw_groups
 
-    def _take_groups(self, gids: list[int], claim_id: str | None) -> None:
-        """Consumed: the data is the learner's now. UNLINK frees it off Redis's main thread.
-        Each command repeats harmlessly, and the keys lie in different slots: no transaction."""
+    def _take_groups(self, metas: dict[int, bytes], claim_id: str | None) -> None:
+        """Consumed: the data is the learner's now. UNLINK frees it off Redis's main thread; the
+        prompt (``meta``) stays until the group is trained on, and goes back to the hub if this
+        learner dies first (``release_claimed``). Each command repeats harmlessly, and the keys
+        lie in different slots: no transaction."""
         pipe = self.redis.pipeline(transaction=False)
-        if gids:
-            pipe.unlink(*[self.keys.group(gid) for gid in gids])
-            pipe.srem(self._claimed, *gids)
+        for gid, meta in metas.items():
+            pipe.unlink(self.keys.group(gid))
+            pipe.hset(self.keys.group(gid), META, meta)
         if claim_id is not None:
             pipe.unlink(self.keys.claim_receipt(claim_id))
         if len(pipe):

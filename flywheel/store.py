@@ -63,7 +63,7 @@ class RunKeys:
         self._group_prefix_bytes = self._group_prefix.encode()
 
     def claimed(self, owner: str) -> str:
-        """The groups ``owner`` (a learner rank) claimed and has not yet taken the data of."""
+        """The groups ``owner`` (a learner rank) claimed and has not yet trained on."""
         return f"{self._tag}:claimed:{owner}"
 
     def claim_receipt(self, claim_id: str) -> str:
@@ -326,8 +326,8 @@ return at
 # the client picks once per claim), and the same claim made again (a reply lost to a Redis
 # restart, then retried) returns that reply instead of popping a second batch, which would
 # leave the first consumed, never trained on, and its data in Redis for good. The claimed groups
-# also join the claiming rank's ``claimed`` set until it has read and unlinked them, so that a
-# learner dying in between leaves nothing behind (``BatchClient.release_claimed``).
+# also join the claiming rank's ``claimed`` set until it has trained on them, so that a learner
+# dying in between leaves nothing behind and loses no prompt (``BatchClient.release_claimed``).
 #
 # KEYS: ready, counters, consumed, staleness, dropped, claim_floor, receipt, claimed
 # ARGV: n, learner_version, max_staleness, receipt_ttl_s

@@ -337,7 +337,7 @@ class Trainer:
                 self.claims.claim_ahead(self.version + 1)  # loads while this step trains
             stats = self.train_step(batch)
             if stats is None:  # every group was filtered out: no signal, no step
-                self.client.note_finished(len(batch.groups), trained=False)
+                self.client.note_finished([g.group_id for g in batch.groups], trained=False)
                 self._note_batch_without_signal(batch)
                 self._sync_past_the_floor_claimed_ahead()
                 continue
@@ -350,7 +350,7 @@ class Trainer:
             # other order would count a step that no checkpoint holds, and admission would stay
             # that many groups short for the rest of the run.
             self._agree_max(0)
-            self.client.note_finished(len(batch.groups), trained=True)
+            self.client.note_finished([g.group_id for g in batch.groups], trained=True)
             if self.version % self.cfg.async_.sync_every == 0 or self.version == total:
                 self.sync_weights(wait=self.version == total)  # the last one is waited for
             if self.cfg.train.checkpoint_every and self.version % self.cfg.train.checkpoint_every == 0:
@@ -383,7 +383,7 @@ class Trainer:
 
     def _end_out_of_data(self, batch: Batch | None) -> None:
         if batch is not None:  # another rank found none: this share is not trained on
-            self.client.note_finished(len(batch.groups), trained=False)
+            self.client.note_finished([g.group_id for g in batch.groups], trained=False)
         if self.rank == 0:
             counters = self.client.counters()
             lost = {

@@ -68,34 +68,46 @@ def test_a_claim_retried_after_its_reply_was_lost_returns_the_same_groups(client
     assert [g.group_id for g in batch.groups] == [1, 2]
     assert counters(client)["groups_consumed"] == 2  # not 4: no second batch was popped
     assert client.redis.zrange(client.keys.ready, 0, -1) == [b"3", b"4"]
-    assert client.redis.exists(client.keys.group(1), client.keys.group(2)) == 0  # read, then removed
-    assert client.redis.smembers(client.keys.claimed("0")) == set()
     assert not client.redis.keys(client.keys.claim_receipt("*"))
+    # read: the samples are removed, the prompt kept (and the groups held) until trained on
+    for gid in (1, 2):
+        assert client.redis.hkeys(client.keys.group(gid)) == [META]
+    assert client.redis.smembers(client.keys.claimed("0")) == {b"1", b"2"}
+    client.note_finished([1, 2])
+    assert client.redis.exists(client.keys.group(1), client.keys.group(2)) == 0
+    assert client.redis.smembers(client.keys.claimed("0")) == set()
 
 
 def test_a_batch_counted_as_finished_counts_once_however_often_it_is_retried(client: BatchClient) -> None:
     lost = lose_first_reply(client, "evalsha")
-    client.note_finished(2, trained=False)
+    client.note_finished([1, 2], trained=False)
     assert lost == [1]
     assert counters(client) == {"groups_finished": 2, "groups_dropped": 2, "groups_filtered_out": 2}
-    client.note_finished(3)  # another batch: counted
+    client.note_finished([3, 4, 5])  # another batch: counted
     assert counters(client)["groups_finished"] == 5
 
 
-def test_a_learner_killed_between_its_claim_and_its_read_leaves_no_data_behind(
+def test_a_learner_killed_before_training_on_its_claims_hands_them_to_the_hub(
     client: BatchClient, redis_server: RedisServer
 ) -> None:
-    ready(client, 1, 2, 3)
-    pairs, _ = client.try_claim(2, 0)  # claimed; the learner dies before reading them
-    assert sorted(gid for gid, _ in pairs) == [1, 2]
+    """Killed with one batch read and one claimed but not read (the claim made ahead): both go
+    on the list the hub cleans up, which re-queues their prompts (``Hub._reap_dropped``); their
+    prompts were removed with the data of a batch read and so lost."""
+    ready(client, 1, 2, 3, 4, 5)
+    client.claim(2, 0, timeout_s=5)  # read, not trained on
+    pairs, _ = client.try_claim(2, 1)  # claimed ahead; the learner dies before reading them
+    assert sorted(gid for gid, _ in pairs) == [3, 4]
     other_rank = BatchClient(redis_server.client(), RUN, StalenessPolicy(4, 2), owner="1")
     assert other_rank.release_claimed() == 0  # another rank's claims are not its own
     restarted = BatchClient(redis_server.client(), RUN, StalenessPolicy(4, 2))  # the same rank, again
-    assert restarted.release_claimed() == 2
-    assert client.redis.exists(client.keys.group(1), client.keys.group(2)) == 0
-    assert client.redis.exists(client.keys.group(3)) == 1  # still ready, untouched
+    assert restarted.release_claimed() == 4
+    assert sorted(int(g) for g in client.redis.lrange(client.keys.dropped, 0, -1)) == [1, 2, 3, 4]
+    for gid in (1, 2, 3, 4):  # each with its prompt, for the hub to issue again
+        assert client.redis.hget(client.keys.group(gid), META) is not None
+    assert client.redis.zrange(client.keys.ready, 0, -1) == [b"5"]  # still ready, untouched
     assert client.redis.smembers(client.keys.claimed("0")) == set()
-    assert restarted.release_untrained() == 2  # and admission gets them back, as before
+    assert restarted.release_claimed() == 0, "handed back once"
+    assert restarted.release_untrained() == 4  # and admission gets them back, as before
 
 
 def test_a_claim_of_thousands_of_groups_is_whole_and_a_refused_one_pops_nothing(client: BatchClient) -> None:

@@ -124,19 +124,53 @@ def test_too_stale_groups_are_dropped_and_requeued(cluster: Cluster, requeue: bo
 
     # ... and re-queues their prompts when configured: they wait in the re-queue list or have
     # already gone out again as new groups, ahead of any prompt not yet issued
-    def requeued() -> set[int]:
-        found = {int(i.partition(b":")[0]) for i in r.lrange(client.keys.requeue, 0, -1)}
-        for key in r.scan_iter(match="fw:flywheel:g:*"):
-            raw = r.hget(key, META)
-            if raw is not None:
-                found.add(unpack(GroupMeta, raw).prompt_index)
-        return found
-
     if requeue:
-        wait_until(lambda: set(prompts) <= requeued(), 10, f"prompts {prompts} re-queued")
+        wait_until(lambda: set(prompts) <= requeued(client), 10, f"prompts {prompts} re-queued")
     else:
         time.sleep(1.0)  # many reap periods
-        assert not set(prompts) & requeued(), (prompts, sorted(requeued()))
+        assert not set(prompts) & requeued(client), (prompts, sorted(requeued(client)))
+
+
+def requeued(client: BatchClient, old_groups: frozenset[int] = frozenset()) -> set[int]:
+    """Prompts re-queued: waiting in the re-queue list, or gone out again as new groups (any
+    group but ``old_groups``)."""
+    r = client.redis
+    found = {int(i.partition(b":")[0]) for i in r.lrange(client.keys.requeue, 0, -1)}
+    for key in r.scan_iter(match=f"fw:{client.keys.run}:g:*"):
+        raw = r.hget(key, META)
+        if raw is not None and (meta := unpack(GroupMeta, raw)).group_id not in old_groups:
+            found.add(meta.prompt_index)
+    return found
+
+
+def test_the_prompts_of_claims_a_dead_learner_never_trained_on_are_requeued(cluster: Cluster) -> None:
+    """A learner killed with its batch read and the next one claimed ahead: at its restart the
+    hub issues their prompts again (async.requeue_stale), as it does for groups dropped too stale.
+    The prompts of the batch it had read were removed with its data: lost for the epoch."""
+    cluster.start_hub(
+        "--async.max_staleness", "1",
+        "--async.groups_per_step", str(GPS),
+        "--data.n_samples_per_prompt", "2",
+        "--async.requeue_stale", "true",
+        "--data.shuffle", "false",
+    )  # fmt: skip
+    sim = cluster.start_simgen("sim", "--min-len", "8", "--max-len", "16", "--tokens-per-s", "20000", "--capacity", "8")
+    cluster.start_reward()
+    client = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(1, GPS))
+    r = client.redis
+    wait_until(lambda: r.zcard(client.keys.ready) == 2 * GPS, 30, "4 ready groups")
+    sim.stop()
+    read = client.claim(GPS, 0, timeout_s=10)  # read: this step trains on it ...
+    ahead, _ = client.try_claim(GPS, 1)  # ... while the next is claimed ahead; the learner dies
+    assert len(ahead) == GPS
+    gids = frozenset([g.group_id for g in read.groups] + [gid for gid, _ in ahead])
+    prompts = {g.prompt_index for g in read.groups}
+    prompts |= {unpack(GroupMeta, r.hget(client.keys.group(gid), META)).prompt_index for gid, _ in ahead}  # type: ignore[arg-type]
+    assert not prompts & requeued(client, gids)
+    restarted = BatchClient(cluster.redis.client(), "flywheel", StalenessPolicy(1, GPS))
+    assert restarted.release_claimed() == 2 * GPS
+    wait_until(lambda: prompts <= requeued(client, gids), 10, f"prompts {sorted(prompts)} re-queued")
+    wait_until(lambda: not any(r.exists(client.keys.group(g)) for g in gids), 10, "the lost groups' keys removed")
 
 
 def test_a_prompt_dropped_more_than_max_requeues_times_is_abandoned(cluster: Cluster) -> None:
@@ -254,7 +288,7 @@ def test_claims_a_dead_learner_never_trained_on_go_back_to_admission(redis_serve
     issued = 5 * gps
     assert client.redis.hset(keys.counters, "groups_issued", issued) == 1
     first, _ = client.try_claim(gps, 0)
-    client.note_finished(len(first))  # trained: version 1
+    client.note_finished([gid for gid, _ in first])  # trained: version 1
     client.try_claim(gps, 1)  # the batch for v1 and the one claimed ahead for v2: the learner dies
     client.try_claim(gps, 2)
     counters = client.counters()
@@ -269,7 +303,7 @@ def test_claims_a_dead_learner_never_trained_on_go_back_to_admission(redis_serve
     assert policy.may_issue(issued, counters["groups_dropped"], 1)
 
     filtered, _ = restarted.try_claim(gps, 1)
-    restarted.note_finished(len(filtered), trained=False)  # no signal: no step, still at v1
+    restarted.note_finished([gid for gid, _ in filtered], trained=False)  # no signal: no step, still at v1
     counters = restarted.counters()
     assert counters["groups_filtered_out"] == gps and counters["groups_dropped"] == 3 * gps
     assert counters["groups_finished"] == counters["groups_consumed"] == 4 * gps
@@ -337,7 +371,7 @@ def test_versions_that_trained_no_batch_do_not_widen_admission(redis_server: Red
         batch, _ = client.try_claim(gps, v)
         assert len(batch) == gps
         client.set_version(v + 1)
-        client.note_finished(len(batch))
+        client.note_finished([gid for gid, _ in batch])
     assert client.count_versions_without_batch(3) == 0
     # the learner dies; its last checkpoint is v1, so the next continues as v4 (v2, v3 named the lost weights)
     restarted = BatchClient(redis_server.client(), "jump", policy)
