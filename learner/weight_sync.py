@@ -77,7 +77,8 @@ class Quarantine:
     base_s: float
     until: dict[str, float] = field(default_factory=dict)  # generator -> monotonic end of its time out
     strikes: dict[str, int] = field(default_factory=dict)
-    failed_in_a_row: dict[str, int] = field(default_factory=dict)  # generator -> syncs failed since its last ack
+    # generator -> (syncs failed since its last ack, monotonic time of the last)
+    failed_in_a_row: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def add(self, gen_id: str, why: str, check: str = "that it reaches the learner's sync.host and its ports") -> None:
         strikes = self.strikes.get(gen_id, 0) + 1
@@ -95,8 +96,8 @@ class Quarantine:
 
     def failed_sync(self, gen_id: str, why: str) -> None:
         """``gen_id`` failed a sync that other generators took: a failure of its own."""
-        failed = self.failed_in_a_row.get(gen_id, 0) + 1
-        self.failed_in_a_row[gen_id] = failed
+        failed = self.failed_in_a_row.get(gen_id, (0, 0.0))[0] + 1
+        self.failed_in_a_row[gen_id] = (failed, time.monotonic())
         if failed >= FAILED_SYNCS_BEFORE_QUARANTINE:
             self.add(gen_id, f"failed {failed} weight syncs in a row that the others took (last: {why})", "its log")
 
@@ -107,6 +108,9 @@ class Quarantine:
         """Drop the records of generators no longer heard from whose time out is over (an id
         evicted at its failed sync and never back: a restart under a fresh id leaves one)."""
         for gen_id in [g for g, until in self.until.items() if g not in present and until <= now]:
+            self.clear(gen_id)
+        # (an evicted generator is away until its next SyncJoin, a second or so: its count stays)
+        for gen_id in [g for g, (_, at) in self.failed_in_a_row.items() if g not in present and now - at > self.base_s]:
             self.clear(gen_id)
 
     def clear(self, gen_id: str) -> None:

@@ -45,3 +45,13 @@ def test_failed_syncs_quarantine_from_the_second_in_a_row_and_an_ack_forgives_th
     q.clear("gen1")  # it acked a sync
     q.failed_sync("gen1", "KeyError")
     assert not q.holds("gen1", now)
+
+
+def test_the_failure_count_of_a_generator_gone_for_good_is_forgotten() -> None:
+    q = Quarantine(base_s=10.0)
+    q.failed_sync("gone", "KeyError")
+    now = time.monotonic()
+    q.forget_gone(set(), now)
+    assert "gone" in q.failed_in_a_row  # away between its eviction and its next SyncJoin: kept
+    q.forget_gone(set(), now + 11)
+    assert "gone" not in q.failed_in_a_row
