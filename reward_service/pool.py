@@ -43,6 +43,7 @@ class Worker:
     ready: bool = False
     batch: list[Item] = field(default_factory=list)
     sent_at: float = 0.0
+    batch_seq: int = 0  # the number of the batch sent last, which its answer must carry
     # a replacement's consecutive failed starts (a first start that fails fails the pool)
     replacement: bool = False
     failed_starts: int = 0
@@ -75,7 +76,7 @@ class WorkerPool:
     def _spawn(self, index: int, replacement: bool = False, failed_starts: int = 0) -> Worker:
         parent, child = self._mp.Pipe()
         proc = self._mp.Process(target=_worker_main, args=(child, *self._args), name=f"reward-worker-{index}")
-        proc.daemon = True
+        proc.daemon = True  # (the worker lifts the flag for itself: see _worker_main)
         proc.start()
         child.close()
         return Worker(index, proc, parent, time.monotonic(), replacement=replacement, failed_starts=failed_starts)
@@ -96,10 +97,11 @@ class WorkerPool:
         """Hand ``items`` to an idle worker; False if it died while idle (``collect`` replaces it,
         and the items are the caller's to hand to another)."""
         try:
-            worker.conn.send(items)
+            worker.conn.send((worker.batch_seq + 1, items))
         except OSError as err:  # BrokenPipeError: killed (the OOM killer) since it last answered
             log.warning("reward worker %d is gone (%s): its batch goes to another", worker.index, err)
             return False
+        worker.batch_seq += 1
         worker.batch, worker.sent_at = items, time.monotonic()
         return True
 
@@ -118,12 +120,15 @@ class WorkerPool:
                     elif isinstance(msg, tuple) and msg[0] == "init_error":
                         start_failure = f"failed to start: {msg[1]}"
                         break
-                    else:
-                        results.append((w.batch, msg))
+                    elif isinstance(msg, tuple) and msg[0] == w.batch_seq and w.busy:
+                        results.append((w.batch, msg[1]))
                         w.batch = []
+                    else:  # not the answer to the batch it holds: who else writes on its pipe?
+                        failure = "crash: an answer to no batch it held (a process its reward function forked?)"
+                        break
             except (EOFError, OSError):
+                w.proc.join(timeout=1)  # (its exit code is known once it is reaped)
                 if not w.ready:
-                    w.proc.join(timeout=5)
                     start_failure = f"exited with code {w.proc.exitcode} before it was ready"
                 else:
                     failure = f"crash: worker exited with code {w.proc.exitcode}"
@@ -200,6 +205,12 @@ def _descendants(pid: int) -> list[int]:
 def _worker_main(conn: Connection, specs: list[FunctionSpec], tokenizer: str | None, context: dict[str, Any]) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the service decides
+    # Daemonic, so that a service that exits without closing the pool never waits for a hung
+    # worker; but a daemonic process may start no child, and reward functions that run code in
+    # a multiprocessing Process or Pool (a sandbox with a timeout) are common. PDEATHSIG, and
+    # the pool's kill of the worker's descendants, take care of what they start.
+    mp.current_process().daemon = False
+    own_pid = os.getpid()
     try:
         scorer = Scorer(specs, tokenizer, context)
     except Exception as err:
@@ -208,12 +219,16 @@ def _worker_main(conn: Connection, specs: list[FunctionSpec], tokenizer: str | N
     conn.send("ready")
     while True:
         try:
-            items = conn.recv()
+            message = conn.recv()
         except (EOFError, OSError):
             return  # the service is gone
-        if items is None:
+        if message is None:
             return
-        conn.send(scorer.score(items))
+        seq, items = message
+        outcomes = scorer.score(items)
+        if os.getpid() != own_pid:  # a child the reward function forked came back here: not ours to answer
+            os._exit(1)
+        conn.send((seq, outcomes))
 
 
 def _die_with_parent() -> None:

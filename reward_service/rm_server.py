@@ -257,7 +257,12 @@ async def serve(cfg: RewardModelConfig, stop: asyncio.Event, model: RewardModel 
     logging.getLogger("aiohttp.server").addFilter(_OncePerInterval())
     rejected: Counter[str] = Counter()
     runner = web.AppRunner(
-        build_app(model, cfg, rejected), access_log=log, access_log_class=_counting_access_log(rejected)
+        build_app(model, cfg, rejected),
+        access_log=log,
+        access_log_class=_counting_access_log(rejected),
+        # a client that gave up (its own timeout) cancels its request, whose texts the batcher
+        # then skips: under overload each retry would otherwise queue one more forward pass
+        handler_cancellation=True,
     )
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)

@@ -13,6 +13,7 @@ Timeouts and crashes are the pool's to detect: it kills the worker (``pool.py``)
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 import math
@@ -81,6 +82,20 @@ class Scorer:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def score(self, items: list[Item]) -> list[Outcome]:
+        """Never raises: an exception out of here would end the worker, and each of its samples
+        would then cost a worker's restart. Every text in an outcome is valid UTF-8 (the service
+        must encode it for the hub)."""
+        try:
+            outcomes = self._score(items)
+        except Exception as err:  # the scorer's own (a token array that does not unpack, say)
+            outcomes = [Outcome(error=f"bad_input: {_describe(err)}") for _ in items]
+        for out in outcomes:
+            if out.error is not None:
+                out.error = valid_utf8(out.error)
+            out.breakdown = {valid_utf8(k): v for k, v in out.breakdown.items()}
+        return outcomes
+
+    def _score(self, items: list[Item]) -> list[Outcome]:
         outcomes = [Outcome() for _ in items]
         if not items:
             return outcomes
@@ -132,7 +147,12 @@ class Scorer:
         self, fn: RewardFunction, spec: FunctionSpec, batch: dict[str, Any], rows: list[int], started: float
     ) -> list[tuple[float, dict[str, float]] | str]:
         """Rewards for ``rows`` of the batch: (reward, breakdown) or an error string each."""
+        # copies of their own: a function that changes its inputs (pops a metadata key, say)
+        # changes them neither for its own one-sample retries nor for the functions after it
         sub = {k: [v[i] for i in rows] for k, v in batch.items()}
+        sub["metadata"] = copy.deepcopy(sub["metadata"])
+        for k in ("prompt_ids", "completion_ids"):
+            sub[k] = [list(ids) for ids in sub[k]]
         kwargs = {**self.context, **spec.kwargs}
         if "call_timeout_s" in kwargs:  # what is left of it: the functions before took the rest
             kwargs["call_timeout_s"] = max(0.0, float(kwargs["call_timeout_s"]) - (time.monotonic() - started))
@@ -143,15 +163,21 @@ class Scorer:
             if inspect.isawaitable(result):
                 result = self._run(result)
         except BatchError as err:
-            return [f"exception: {spec.name}: {err}"] * len(rows)
+            return [f"exception: {spec.name}: {_describe(err, named=False)}"] * len(rows)
         except Exception as err:
             if len(rows) > 1:  # find the sample(s) at fault; the others still get their rewards
                 return [r for i in rows for r in self._call(fn, spec, batch, [i], started)]
-            return [f"exception: {spec.name}: {type(err).__name__}: {err}"]
+            return [f"exception: {spec.name}: {_describe(err)}"]
         if not isinstance(result, list | tuple) or len(result) != len(rows):
             got = f"{len(result)} values" if isinstance(result, list | tuple) else type(result).__name__
             return [f"bad_output: {spec.name}: returned {got} for {len(rows)} samples"] * len(rows)
-        return [_one(spec.name, r) for r in result]
+        out: list[tuple[float, dict[str, float]] | str] = []
+        for r in result:
+            try:
+                out.append(_one(spec.name, r))
+            except Exception as err:  # an odd object whose str, repr or float raises
+                out.append(f"bad_output: {spec.name}: {_describe(err)}")
+        return out
 
     def _run(self, awaitable: Any) -> Any:
         if self._loop is None:  # one loop for the worker's life: clients and sessions may cache it
@@ -176,11 +202,26 @@ def load_decoder(path: str) -> Any:
     return lambda ids: tok.batch_decode(ids, skip_special_tokens=True)
 
 
+def _describe(err: BaseException, named: bool = True) -> str:
+    """``Type: message`` of an exception, even one whose ``__str__`` raises."""
+    try:
+        text = str(err)
+    except Exception:
+        text = "(its message could not be read)"
+    return f"{type(err).__name__}: {text}" if named else text
+
+
+def valid_utf8(text: str) -> str:
+    """``text`` as valid UTF-8: a lone surrogate (JSON of a model's cut emoji, a path decoded with
+    surrogateescape) would make the service's encoding of the answer fail."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _one(name: str, r: Any) -> tuple[float, dict[str, float]] | str:
     parts: dict[str, float] = {}
     if isinstance(r, dict):
         if "reward" not in r:
-            return f"bad_output: {name}: a dict reward needs a 'reward' key, got {sorted(r)}"
+            return f"bad_output: {name}: a dict reward needs a 'reward' key, got {sorted(str(k) for k in r)}"
         parts = {str(k): v for k, v in r.items() if k != "reward"}
         r = r["reward"]
     values = [r, *parts.values()]

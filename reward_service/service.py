@@ -32,7 +32,7 @@ from flywheel.wire import (
     encode,
 )
 from reward_service.pool import WorkerPool
-from reward_service.scoring import Item, Outcome
+from reward_service.scoring import Item, Outcome, valid_utf8
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,9 @@ class RewardService:
         self.sock.connect(rcfg.hub_address)
         self.decoder = Decoder(ScoreRequest, max_bytes=MAX_REQUEST_BYTES)
         self.rejects = Rejections(log)  # what the hub sent that failed validation, by reason
+        # when each reason of failed rewards was last logged: once per STATS_INTERVAL_S, or a
+        # function failing on every sample would write a line (its whole exception) per sample
+        self._failure_logged: dict[str, float] = {}
         self.queue: deque[Item] = deque()  # scored in batches
         self.solo: deque[Item] = deque()  # from a batch that hung or crashed: scored alone
         # (group, sample) of every request queued or being scored, with its fingerprint: the hub
@@ -178,24 +181,39 @@ class RewardService:
                 continue
             del self.held[item.key]
             reward = out.reward
-            if out.error is not None:
-                self.errors[out.error.split(":", 1)[0]] += 1
+            error = None if out.error is None else clip_error(valid_utf8(out.error))
+            if error is not None:
+                reason = error.split(":", 1)[0]
+                self.errors[reason] += 1
                 reward = self.rcfg.error_reward
-                log.warning("reward failed for (group %d, sample %d): %s", *item.key, out.error)
+                self._log_failure(reason, item.key, error)
             self.scored += 1
+            breakdown = {valid_utf8(k): v for k, v in list(out.breakdown.items())[:MAX_BREAKDOWN]}
             scores.append(
                 Score(
                     worker_id=self.service_id,
                     group_id=item.key[0],
                     sample=item.key[1],
                     reward=reward,
-                    breakdown=dict(list(out.breakdown.items())[:MAX_BREAKDOWN]),
-                    error=None if out.error is None else clip_error(out.error),
+                    breakdown=breakdown,
+                    error=error,
                 )
             )
             self._remember(item.key, fingerprint, scores[-1])
         for i in range(0, len(scores), SCORES_PER_FRAME):  # one frame per worker batch, bounded
             self._send(encode(ScoreBatch(worker_id=self.service_id, scores=scores[i : i + SCORES_PER_FRAME])))
+
+    def _log_failure(self, reason: str, key: tuple[int, int], error: str) -> None:
+        now = time.monotonic()
+        if now - self._failure_logged.get(reason, -math.inf) >= STATS_INTERVAL_S:
+            self._failure_logged[reason] = now
+            log.warning(
+                "reward failed for (group %d, sample %d): %s (the first %s in %gs: the stats line counts them all)",
+                *key,
+                error,
+                reason,
+                STATS_INTERVAL_S,
+            )
 
     def _remember(self, key: tuple[int, int], fingerprint: int, score: Score) -> None:
         self.answered[key] = (fingerprint, score)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -76,6 +77,7 @@ def assert_no_orphans(pids: set[int]) -> None:
     assert not alive, [psutil.Process(p).cmdline() for p in alive if psutil.pid_exists(p)]
 
 
+@pytest.mark.timeout(900)  # its own watch allows 600 s: 170-190 s on a quiet machine
 def test_quickstart_runs_end_to_end_and_writes_the_report(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--train.total_steps", "8", "--sft.steps", "20")
@@ -118,6 +120,7 @@ def test_ctrl_c_shuts_everything_down(tmp_path: Path) -> None:
     assert_no_orphans(pids)
 
 
+@pytest.mark.timeout(900)  # its own watch allows 600 s: 170-190 s on a quiet machine
 def test_ray_launcher_runs_the_same_loop_as_actors(tmp_path: Path) -> None:
     """... and ends at a `flywheel finish` sent once the learner trains, not at its 1000 steps:
     the final evaluation and the report follow as at train.total_steps."""

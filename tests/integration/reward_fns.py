@@ -79,3 +79,53 @@ def length_slow_when_long(prompts: list[str], completions: list[str], metadata: 
     if any(len(ids) >= 8 for ids in kwargs["completion_ids"]):
         time.sleep(2.0)
     return [len(ids) / 16 for ids in kwargs["completion_ids"]]
+
+
+def surrogate_in_its_error(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
+    """Raises with a lone surrogate in its message (the JSON of a model's cut emoji), and names a
+    breakdown term with one: text the service could not encode for the hub."""
+    import json
+
+    if any(_culprit(ids) for ids in kwargs["completion_ids"]):
+        raise ValueError(f"answer {json.loads(chr(34) + chr(92) + 'ud83d' + chr(34))} is not a number")
+    return [{"reward": 1.0, "term\udc80": 1.0} for _ in completions]
+
+
+def pops_its_metadata(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
+    """Takes the answer out of each sample's metadata (pop), then raises on the culprits."""
+    answers = [m.pop("answer") for m in metadata]
+    if any(_culprit(ids) for ids in kwargs["completion_ids"]):
+        raise ValueError("cannot verify this one")
+    return [float(a == "8") for a in answers]
+
+
+def odd_dict_rewards(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
+    """On the culprits, a dict without its 'reward' key whose keys cannot be sorted together."""
+    return [{"score": 1.0, 0: 1.0} if _culprit(ids) else 1.0 for ids in kwargs["completion_ids"]]
+
+
+def forks_a_stray_child(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
+    """A naive sandbox on the culprits: the child it forks raises before its os._exit, and so
+    returns into the worker's loop, where it would answer on the worker's pipe."""
+    if any(_culprit(ids) for ids in kwargs["completion_ids"]):
+        if os.fork() == 0:
+            raise RuntimeError("the generated code failed in the sandbox child")
+        time.sleep(0.5)  # the parent answers after the stray child would have
+    return [float(len(ids)) for ids in kwargs["completion_ids"]]
+
+
+def _exit_zero() -> None:
+    os._exit(0)
+
+
+def runs_a_process(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
+    """Checks each answer in a multiprocessing Process with a timeout, as code-execution rewards do."""
+    import multiprocessing as mp
+
+    out = []
+    for _ in completions:
+        proc = mp.get_context("fork").Process(target=_exit_zero)
+        proc.start()
+        proc.join(10)
+        out.append(float(proc.exitcode == 0))
+    return out

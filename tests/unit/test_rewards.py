@@ -450,3 +450,77 @@ def test_a_built_ins_bad_arguments_are_refused_at_start(name: str, kwargs: dict[
         check_kwargs(resolve(name), kwargs)
     check_kwargs(resolve("regex_match"), {"pattern_key": "rx"})
     check_kwargs(resolve("exact_match"), {"extract": None})
+
+
+def test_what_a_function_does_wrong_fails_its_own_samples_as_text_the_hub_takes(tok: str) -> None:
+    """A lone surrogate in an exception's message or a breakdown name: msgspec could not encode
+    the answer, and the service died (every service the hub then sent the sample to, too). A dict
+    reward whose keys do not sort together: the scorer's own message raised, and the worker died.
+    A function that pops its metadata: its one-sample retries, and the functions after it, found
+    the keys gone, and healthy samples failed."""
+    from flywheel.wire import ScoreBatch, encode
+
+    out = scorer(tok, ("tests.integration.reward_fns:surrogate_in_its_error", 1.0, {})).score(items([4, 5]))
+    assert out[1].error is not None and "\\ud83d is not a number" in out[1].error
+    assert "tests.integration.reward_fns:surrogate_in_its_error/term\\udc80" in out[0].breakdown
+    scores = [Score(worker_id="w", group_id=0, sample=i, reward=o.reward, breakdown=o.breakdown, error=o.error)
+              for i, o in enumerate(out)]  # fmt: skip
+    encode(ScoreBatch(worker_id="w", scores=scores))  # no UnicodeEncodeError
+    out = scorer(tok, ("tests.integration.reward_fns:odd_dict_rewards", 1.0, {})).score(items([4, 5]))
+    assert out[0].reward == 1.0
+    assert out[1].error is not None and "needs a 'reward' key, got ['0', 'score']" in out[1].error
+    pops = ("tests.integration.reward_fns:pops_its_metadata", 1.0, {})
+    out = scorer(tok, pops, pops).score(items([4, 5, 6]))
+    assert [o.error is None for o in out] == [True, False, True], [o.error for o in out]
+    assert [out[0].reward, out[2].reward] == [2.0, 2.0]
+
+
+def test_a_function_may_run_processes(tok: str) -> None:
+    """Workers were daemonic, and a daemonic process may start none: a reward running each check
+    in a multiprocessing Process failed every sample."""
+    from reward_service.pool import WorkerPool
+
+    pool = WorkerPool(1, [FunctionSpec("tests.integration.reward_fns:runs_a_process", 1.0, {})], tok, {}, 30)
+    try:
+        results = run_batches(pool, [items([4, 5])])
+        assert [[(o.reward, o.error) for o in r] for r in results] == [[(1.0, None), (1.0, None)]]
+    finally:
+        pool.close()
+
+
+def test_a_child_a_function_forks_never_answers_for_the_worker(tok: str) -> None:
+    """A forked child that fell back into the worker's loop answered on its pipe: the pool
+    credited that answer to the next batch (its samples got another batch's rewards), then the
+    service died on the lengths' mismatch."""
+    from reward_service.pool import WorkerPool
+
+    pool = WorkerPool(1, [FunctionSpec("tests.integration.reward_fns:forks_a_stray_child", 1.0, {})], tok, {}, 30)
+    try:
+        results = run_batches(pool, [items([5]), items([8])])
+        assert [[(o.reward, o.error) for o in r] for r in results] == [[(5.0, None)], [(8.0, None)]]
+        assert pool.restarts == 0
+    finally:
+        pool.close()
+
+
+def run_batches(pool: Any, batches: list[list[Item]]) -> list[Any]:
+    """Each batch through the pool's one worker in turn; what came back for each."""
+    deadline = time.monotonic() + 120
+    while not pool.idle():
+        pool.collect()
+        assert time.monotonic() < deadline, "the worker did not start"
+        time.sleep(0.05)
+    results = []
+    for batch in batches:
+        assert pool.submit(pool.idle()[0], batch)
+        got: list[Any] = []
+        while not got:
+            got = pool.collect()
+            assert time.monotonic() < deadline, "no answer"
+            time.sleep(0.05)
+        ((items_back, outcomes),) = got
+        assert items_back == batch
+        results.append(outcomes)
+    time.sleep(1.0)  # whatever a stray child would send comes meanwhile
+    assert pool.collect() == []
+    return results

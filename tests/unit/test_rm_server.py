@@ -4,8 +4,12 @@ hangs: its callers get an answer in bounded time and /health says so."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import time
+from pathlib import Path
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from flywheel.config import RewardModelConfig
@@ -92,3 +96,54 @@ def test_a_short_text_scores_the_same_alone_and_beside_a_long_one(tmp_path) -> N
     alone = model.score([short])[0]
     beside = model.score([short, short + " and then a good deal more text to pad the short row out"])[0]
     assert abs(alone - beside) < 1e-4, (alone, beside)
+
+
+class SlowModel:
+    """In place of ``RewardModel``: a forward pass takes ``seconds``; records what it scored."""
+
+    device = "cpu"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.scored: list[str] = []
+
+    def texts(self, prompts: list[str], completions: list[str]) -> list[str]:
+        return [p + c for p, c in zip(prompts, completions, strict=True)]
+
+    def score(self, texts: list[str]) -> list[float]:
+        time.sleep(self.seconds)
+        self.scored += texts
+        return [float(len(t)) for t in texts]
+
+
+def test_a_request_whose_client_gave_up_is_not_scored(tmp_path: Path) -> None:
+    """A client past its own timeout (``remote``'s, 10 s, against the server's 120) goes, but its
+    request stayed queued and was scored for no one; under overload each of its retries queued
+    one more forward pass. Its disconnect now cancels it (the real server, ``serve``)."""
+    import aiohttp
+
+    from reward_service.rm_server import serve
+
+    model = SlowModel(1.0)
+    cfg = RewardModelConfig(model="slow", port=0, batch_wait_ms=1, state_file=str(tmp_path / "rm.json"))
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        server = asyncio.create_task(serve(cfg, stop, model))  # type: ignore[arg-type]
+        for _ in range(200):
+            if (tmp_path / "rm.json").exists():
+                break
+            await asyncio.sleep(0.05)
+        url = f"http://127.0.0.1:{json.loads((tmp_path / 'rm.json').read_text())['port']}/score"
+        async with aiohttp.ClientSession() as session:
+            first = asyncio.create_task(session.post(url, json={"prompts": ["a"], "completions": ["1"]}))
+            await asyncio.sleep(0.3)  # its forward pass runs
+            with pytest.raises(TimeoutError):  # queued behind it, this client gives up
+                await asyncio.wait_for(session.post(url, json={"prompts": ["b"], "completions": ["2"]}), 0.3)
+            assert (await (await first).json())["rewards"] == [2.0]
+        await asyncio.sleep(1.5)  # a forward pass for the request given up would be over by now
+        stop.set()
+        await server
+        assert model.scored == ["a1"]
+
+    asyncio.run(scenario())
