@@ -828,6 +828,8 @@ class Hub:
         for gid, raw in zip(gids, metas.execute(), strict=True):
             if raw is not None:
                 self._requeue(unpack(GroupMeta, raw))
+            elif self.cfg.async_.requeue_stale:
+                log.warning("group %d came back without its prompt: not re-queued", int(gid))
             self._pipe.unlink(self.keys.group(int(gid)))
         # (debug: it can come 20 times a second for days; the stats line counts the drops)
         log.debug("%d groups dropped as too stale (requeue=%s)", len(gids), self.cfg.async_.requeue_stale)

@@ -201,6 +201,17 @@ class BatchClient:
             )
         )
 
+    def release_claimed_of_ranks_gone(self, world_size: int) -> int:
+        """Rank 0's, at a start with fewer ranks than the last: ``release_claimed`` for each rank
+        that no longer exists (its claims would otherwise stay in Redis, their prompts lost)."""
+        prefix = self.keys.claimed("")  # (run names hold no glob character: config.RunConfig)
+
+        def owners() -> list[str]:
+            return [key.decode()[len(prefix) :] for key in self.redis.scan_iter(match=prefix + "*")]
+
+        gone = [o for o in self._retry(owners, "listing the ranks' claims") if o.isdigit() and int(o) >= world_size]
+        return sum(self._hand_back(self.keys.claimed(o)) for o in gone)
+
     def release_claimed(self) -> int:
         """At a learner rank's (re)start, before its first claim: hand the hub every group this
         rank claimed before and never trained on (a learner killed with its batch and the one it
@@ -209,12 +220,15 @@ class BatchClient:
         (``Hub._reap_dropped``; a claimed group keeps its prompt in Redis until it is trained on).
         Returns how many."""
 
+        return self._hand_back(self._claimed)
+
+    def _hand_back(self, claimed: str) -> int:
         def release() -> int:
-            gids = sorted(int(g) for g in self.redis.smembers(self._claimed))
+            gids = sorted(int(g) for g in self.redis.smembers(claimed))
             if gids:
                 pipe = self.redis.pipeline(transaction=True)  # (run-level keys: one slot)
                 pipe.rpush(self.keys.dropped, *gids)
-                pipe.delete(self._claimed)
+                pipe.delete(claimed)
                 pipe.execute()
             return len(gids)
 
@@ -283,8 +297,8 @@ class BatchClient:
         """Read the claimed groups, then remove them: in two steps, each retried alone, so that a
         retry never reads what its first attempt already removed."""
         raw_groups = self._retry(lambda: self._read_groups(pairs), "loading a claimed batch")
-        metas = {gid: raw[META] for (gid, _), raw in zip(pairs, raw_groups, strict=True) if META in raw}
-        self._retry(lambda: self._take_groups(metas, claim_id), "removing a loaded batch")
+        fields = {gid: [f for f in raw if f != META] for (gid, _), raw in zip(pairs, raw_groups, strict=True)}
+        self._retry(lambda: self._take_groups(fields, claim_id), "removing a loaded batch")
         return self._decode_groups(pairs, raw_groups, learner_version)
 
     def _read_groups(self, pairs: list[tuple[int, int]]) -> list[dict[bytes, bytes]]:
@@ -298,15 +312,16 @@ class BatchClient:
             raw_groups += pipe.execute()
         return raw_groups
 
-    def _take_groups(self, metas: dict[int, bytes], claim_id: str | None) -> None:
-        """Consumed: the data is the learner's now. UNLINK frees it off Redis's main thread; the
-        prompt (``meta``) stays until the group is trained on, and goes back to the hub if this
-        learner dies first (``release_claimed``). Each command repeats harmlessly, and the keys
-        lie in different slots: no transaction."""
+    def _take_groups(self, fields: dict[int, list[bytes]], claim_id: str | None) -> None:
+        """Consumed: the data is the learner's now, and goes (each group's ``fields``, one HDEL:
+        whatever moment this learner dies at, a group keeps its prompt). The prompt (``meta``)
+        stays until the group is trained on, and goes back to the hub if this learner dies first
+        (``release_claimed``). Each command repeats harmlessly, and the keys lie in different
+        slots: no transaction."""
         pipe = self.redis.pipeline(transaction=False)
-        for gid, meta in metas.items():
-            pipe.unlink(self.keys.group(gid))
-            pipe.hset(self.keys.group(gid), META, meta)
+        for gid, names in fields.items():
+            if names:
+                pipe.hdel(self.keys.group(gid), *names)
         if claim_id is not None:
             pipe.unlink(self.keys.claim_receipt(claim_id))
         if len(pipe):

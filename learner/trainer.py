@@ -1047,6 +1047,7 @@ class Trainer:
             self._align_lr_schedule()
         self.client.release_claimed()  # this rank's own claims, before it makes any
         if self.rank == 0:
+            self.client.release_claimed_of_ranks_gone(self.world)
             # The version goes out last: the hub admits on (version - versions_without_batch), and
             # a new version seen beside the old count let it admit a batch past the bound. The
             # other way round it admits less for a moment, never more.

@@ -110,6 +110,21 @@ def test_a_learner_killed_before_training_on_its_claims_hands_them_to_the_hub(
     assert restarted.release_untrained() == 4  # and admission gets them back, as before
 
 
+def test_the_claims_of_ranks_a_smaller_restart_no_longer_has_are_handed_back(
+    client: BatchClient, redis_server: RedisServer
+) -> None:
+    """Four ranks claimed, the learner restarts with two: each rank hands back its own claims,
+    and rank 0 those of ranks 2 and 3, which no rank would otherwise ever take."""
+    ready(client, *range(1, 9))
+    for rank in range(4):
+        BatchClient(redis_server.client(), RUN, StalenessPolicy(4, 2), owner=str(rank)).try_claim(2, 0)
+    assert client.release_claimed_of_ranks_gone(2) == 4
+    handed_back = sorted(int(g) for g in client.redis.lrange(client.keys.dropped, 0, -1))
+    assert handed_back == [5, 6, 7, 8]  # ranks 2 and 3 claimed after ranks 0 and 1
+    assert client.redis.scard(client.keys.claimed("1")) == 2  # rank 1 is still there: its own to hand back
+    assert client.redis.exists(client.keys.claimed("2"), client.keys.claimed("3")) == 0
+
+
 def test_a_claim_of_thousands_of_groups_is_whole_and_a_refused_one_pops_nothing(client: BatchClient) -> None:
     """The claim script checked and recorded after its pop: `SADD claimed unpack(ids)` fails past
     ~8000 ids ("too many results to unpack") and the already-consumed guard after ZPOPMIN, and
