@@ -29,6 +29,7 @@ from flywheel.store import (
     CLAIM_SCRIPT,
     FINISH_SCRIPT,
     FINISHED_SCRIPT,
+    KEEP_PROMPT_SCRIPT,
     META,
     RELEASE_UNTRAINED_SCRIPT,
     VERSIONS_WITHOUT_BATCH_SCRIPT,
@@ -125,6 +126,7 @@ class BatchClient:
         self._claimed = self.keys.claimed(owner)  # ``owner``: the learner rank; a restart takes its place
         self._claim = client.register_script(CLAIM_SCRIPT)
         self._finished = client.register_script(FINISHED_SCRIPT)
+        self._keep_prompt = client.register_script(KEEP_PROMPT_SCRIPT)
         # Calls that change state are retried (Redis restarting, redis-py's own retry): each
         # carries an id, the same for every retry of one call, that the scripts make idempotent.
         self._call_ids = itertools.count()
@@ -207,7 +209,7 @@ class BatchClient:
         prefix = self.keys.claimed("")  # (run names hold no glob character: config.RunConfig)
 
         def owners() -> list[str]:
-            return [key.decode()[len(prefix) :] for key in self.redis.scan_iter(match=prefix + "*")]
+            return [key.decode()[len(prefix) :] for key in self.redis.scan_iter(match=prefix + "*", count=1000)]
 
         gone = [o for o in self._retry(owners, "listing the ranks' claims") if o.isdigit() and int(o) >= world_size]
         return sum(self._hand_back(self.keys.claimed(o)) for o in gone)
@@ -297,8 +299,7 @@ class BatchClient:
         """Read the claimed groups, then remove them: in two steps, each retried alone, so that a
         retry never reads what its first attempt already removed."""
         raw_groups = self._retry(lambda: self._read_groups(pairs), "loading a claimed batch")
-        fields = {gid: [f for f in raw if f != META] for (gid, _), raw in zip(pairs, raw_groups, strict=True)}
-        self._retry(lambda: self._take_groups(fields, claim_id), "removing a loaded batch")
+        self._retry(lambda: self._take_groups([gid for gid, _ in pairs], claim_id), "removing a loaded batch")
         return self._decode_groups(pairs, raw_groups, learner_version)
 
     def _read_groups(self, pairs: list[tuple[int, int]]) -> list[dict[bytes, bytes]]:
@@ -312,16 +313,13 @@ class BatchClient:
             raw_groups += pipe.execute()
         return raw_groups
 
-    def _take_groups(self, fields: dict[int, list[bytes]], claim_id: str | None) -> None:
-        """Consumed: the data is the learner's now, and goes (each group's ``fields``, one HDEL:
-        whatever moment this learner dies at, a group keeps its prompt). The prompt (``meta``)
-        stays until the group is trained on, and goes back to the hub if this learner dies first
-        (``release_claimed``). Each command repeats harmlessly, and the keys lie in different
-        slots: no transaction."""
+    def _take_groups(self, gids: list[int], claim_id: str | None) -> None:
+        """Consumed: the data is the learner's now, and goes; each group keeps its prompt until
+        it is trained on (``KEEP_PROMPT_SCRIPT``). Each command repeats harmlessly, and the keys
+        lie in different slots: no transaction."""
         pipe = self.redis.pipeline(transaction=False)
-        for gid, names in fields.items():
-            if names:
-                pipe.hdel(self.keys.group(gid), *names)
+        for gid in gids:
+            self._keep_prompt(keys=[self.keys.group(gid)], client=pipe)
         if claim_id is not None:
             pipe.unlink(self.keys.claim_receipt(claim_id))
         if len(pipe):

@@ -260,6 +260,21 @@ end
 return 0
 """
 
+# A claimed group the learner has read: its data goes (UNLINK: a large hash is freed off Redis's
+# main thread, where the hub's writes wait), its prompt stays until the group is trained on, to
+# go back to the hub if the learner dies first. One key, one script: however the learner dies,
+# the group keeps its prompt, and a repeat changes nothing.
+#
+# KEYS: the group
+KEEP_PROMPT_SCRIPT = """
+local meta = redis.call('HGET', KEYS[1], 'meta')
+redis.call('UNLINK', KEYS[1])
+if meta then
+  redis.call('HSET', KEYS[1], 'meta', meta)
+end
+return 0
+"""
+
 # At a learner's start, after RELEASE_UNTRAINED_SCRIPT: how many versions hold no trained batch.
 # Admission bounds the groups in flight by (v + η + 1) · groups_per_step, which holds only while
 # the groups trained number v · groups_per_step; a learner resumed behind the published version

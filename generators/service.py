@@ -415,11 +415,10 @@ class GeneratorService:
             await self._engine_call(self.engine.resume_generation(), "resume")
             lap("resume")
             self._resumed.set()
+        result.seconds = time.perf_counter() - start  # the engine's whole pause (the ack went earlier)
         if error is None:
             detail = " ".join(f"{k} {v:.3f}" for k, v in phases.items())
-            log.info(
-                "now serving weights v%d (update took %.3fs: %s)", self.version, time.perf_counter() - start, detail
-            )
+            log.info("now serving weights v%d (update took %.3fs: %s)", self.version, result.seconds, detail)
         return result
 
     @staticmethod

@@ -61,8 +61,8 @@ QUARANTINE_MAX_S = 600.0
 """The longest a generator that never came to a rendezvous is left out of syncs."""
 
 FAILED_SYNCS_BEFORE_QUARANTINE = 2
-"""Syncs in a row a generator may fail (an error ack, a missed deadline) while others took the
-same weights, before it is left out: each failure closes the group, which the whole fleet then
+"""Syncs in a row a generator may fail (an error ack) while others took the same weights,
+before it is left out: each failure closes the group, which the whole fleet then
 builds again at the next sync (an NCCL rendezvous, with every engine paused); one failure may
 be a hiccup."""
 
@@ -385,7 +385,9 @@ class WeightBroadcaster:
             log.warning("weight sync v%d: evicted %s", version, report.evicted)
             if report.acked:  # others took these weights: a member that failed them failed on its own
                 for gen_id, why in report.evicted.items():
-                    if why not in ("restarted during the sync", "left the sync"):
+                    # its own error; a missed deadline may be a slower host's, or the learner's own
+                    # send that used up the deadline: not counted
+                    if why not in ("restarted during the sync", "left the sync", "missed the deadline"):
                         self.quarantine.failed_sync(gen_id, why)
             for gen_id in report.evicted:
                 if gen_id not in self._restarted:  # (a restarted one has joined afresh already)

@@ -162,12 +162,18 @@ class WorkerPool:
         self.restarts += 1
 
     def _kill(self, w: Worker) -> None:
+        # What the reward function started goes with it (a sandbox running generated code, say):
+        # killed alone, the worker left them running, holding the service's output. Its own
+        # process group holds them even once the worker is dead (a crash, the OOM killer), when
+        # they are no longer its descendants; those that left the group (setsid) are found
+        # below it while it lives.
         if w.proc.is_alive():
-            # what the reward function started goes with it (a sandbox running generated code,
-            # say): killed alone, the worker left them running, holding the service's output
             for pid in _descendants(w.proc.pid):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(w.proc.pid, signal.SIGKILL)  # (the worker leads a group of its own: _worker_main)
+        if w.proc.is_alive():
             w.proc.kill()
         w.proc.join(timeout=5)
         w.conn.close()
@@ -207,9 +213,11 @@ def _worker_main(conn: Connection, specs: list[FunctionSpec], tokenizer: str | N
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the service decides
     # Daemonic, so that a service that exits without closing the pool never waits for a hung
     # worker; but a daemonic process may start no child, and reward functions that run code in
-    # a multiprocessing Process or Pool (a sandbox with a timeout) are common. PDEATHSIG, and
-    # the pool's kill of the worker's descendants, take care of what they start.
+    # a multiprocessing Process or Pool (a sandbox with a timeout) are common. The pool kills
+    # what they start with the worker (_kill).
     mp.current_process().daemon = False
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)  # a process group of its own, which what its functions start joins (_kill)
     own_pid = os.getpid()
     try:
         scorer = Scorer(specs, tokenizer, context)

@@ -129,3 +129,17 @@ def runs_a_process(prompts: list[str], completions: list[str], metadata: list[di
         proc.join(10)
         out.append(float(proc.exitcode == 0))
     return out
+
+
+ORPHAN_MARKER = "9872"  # the seconds of the sleep a crashed worker's reward function left behind
+
+
+def starts_a_process_then_crashes(
+    prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any
+):
+    """Starts a process (a sandbox), then its worker dies (a segfault in C code, the OOM killer)."""
+    import signal
+
+    subprocess.Popen(["sleep", ORPHAN_MARKER])
+    os.kill(os.getpid(), signal.SIGKILL)
+    return [1.0] * len(completions)

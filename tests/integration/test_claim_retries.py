@@ -91,8 +91,8 @@ def test_a_learner_killed_before_training_on_its_claims_hands_them_to_the_hub(
     client: BatchClient, redis_server: RedisServer
 ) -> None:
     """Killed with one batch read and one claimed but not read (the claim made ahead): both go
-    on the list the hub cleans up, which re-queues their prompts (``Hub._reap_dropped``); their
-    prompts were removed with the data of a batch read and so lost."""
+    on the list the hub cleans up, which re-queues their prompts (``Hub._reap_dropped``). Before,
+    the prompts of the batch read went with its data: lost for the epoch."""
     ready(client, 1, 2, 3, 4, 5)
     client.claim(2, 0, timeout_s=5)  # read, not trained on
     pairs, _ = client.try_claim(2, 1)  # claimed ahead; the learner dies before reading them

@@ -146,7 +146,7 @@ def requeued(client: BatchClient, old_groups: frozenset[int] = frozenset()) -> s
 def test_the_prompts_of_claims_a_dead_learner_never_trained_on_are_requeued(cluster: Cluster) -> None:
     """A learner killed with its batch read and the next one claimed ahead: at its restart the
     hub issues their prompts again (async.requeue_stale), as it does for groups dropped too stale.
-    The prompts of the batch it had read were removed with its data: lost for the epoch."""
+    Before, the prompts of the batch it had read went with its data: lost for the epoch."""
     cluster.start_hub(
         "--async.max_staleness", "1",
         "--async.groups_per_step", str(GPS),

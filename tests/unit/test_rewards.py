@@ -524,3 +524,41 @@ def run_batches(pool: Any, batches: list[list[Item]]) -> list[Any]:
     time.sleep(1.0)  # whatever a stray child would send comes meanwhile
     assert pool.collect() == []
     return results
+
+
+def test_what_a_function_started_dies_with_its_crashed_worker(tok: str) -> None:
+    """A worker that died on its own left what its reward function had started running (by then
+    reparented to init, no longer below the worker); a process group of its own holds them."""
+    import psutil
+
+    from reward_service.pool import WorkerPool
+    from tests.integration.reward_fns import ORPHAN_MARKER
+
+    def orphans() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            if p.info["cmdline"] == ["sleep", ORPHAN_MARKER]:
+                found.append(p)
+        return found
+
+    spec = [FunctionSpec("tests.integration.reward_fns:starts_a_process_then_crashes", 1.0, {})]
+    pool = WorkerPool(1, spec, tok, {}, 30)
+    try:
+        deadline = time.monotonic() + 120
+        while not pool.idle():
+            pool.collect()
+            assert time.monotonic() < deadline, "the worker did not start"
+            time.sleep(0.05)
+        assert pool.submit(pool.idle()[0], items([4]))
+        got: list[Any] = []
+        while not got:
+            got = pool.collect()
+            assert time.monotonic() < deadline, "the crash was not seen"
+            time.sleep(0.05)
+        assert str(got[0][1]).startswith("crash: worker exited with code -9"), got
+        time.sleep(0.5)
+        assert not orphans(), "the sleep the crashed worker's function started still runs"
+    finally:
+        pool.close()
+        for p in orphans():
+            p.kill()
