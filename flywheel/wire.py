@@ -497,11 +497,16 @@ class SyncJoin(Message, tag=True):
     # once rather than name it for member_timeout_s more, each such sync waiting out its deadline
     # for ranks that never come (and the whole fleet paused meanwhile)
     leaving: bool = False
+    # Drawn once per process: a new process under a known id (restarted, or a spare taking its
+    # place) at the same version holds none of the group the old one was in. "" (an older
+    # sender): told apart by its version going back only.
+    incarnation: str = ""
 
     def check(self) -> None:
         _require(0 < len(self.generator_id) <= 128, "generator_id", "must be 1..128 characters")
         _check_nonneg(self.version, "version")
         _require(1 <= self.workers <= 1024, "workers", f"must be in 1..1024, got {self.workers}")
+        _require(len(self.incarnation) <= 64, "incarnation", "must be at most 64 characters")
 
 
 class WeightsAck(Message, tag=True):

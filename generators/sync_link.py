@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 
 import zmq
 
@@ -29,6 +30,7 @@ class SyncLink:
     ) -> None:
         self.generator_id = generator_id
         self.workers = workers
+        self.incarnation = uuid.uuid4().hex  # this process's, in every SyncJoin
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
@@ -54,14 +56,24 @@ class SyncLink:
         if now >= self._join_after and now - self._last_join >= every_s:
             self._last_join = now
             msg = SyncJoin(
-                generator_id=self.generator_id, version=version, workers=self.workers, needs_weights=needs_weights
+                generator_id=self.generator_id,
+                version=version,
+                workers=self.workers,
+                needs_weights=needs_weights,
+                incarnation=self.incarnation,
             )
             with contextlib.suppress(zmq.Again):
                 self.dealer.send(encode(msg), zmq.NOBLOCK)
 
     def leave(self, version: int) -> None:
         """This generator stops: out of the next syncs at once (sent once; close gives it time to go)."""
-        msg = SyncJoin(generator_id=self.generator_id, version=version, workers=self.workers, leaving=True)
+        msg = SyncJoin(
+            generator_id=self.generator_id,
+            version=version,
+            workers=self.workers,
+            leaving=True,
+            incarnation=self.incarnation,
+        )
         with contextlib.suppress(zmq.Again):
             self.dealer.send(encode(msg), zmq.NOBLOCK)
 

@@ -49,6 +49,7 @@ class Member:
     last_seen: float
     joined: float = 0.0  # when its first SyncJoin (since it last left) arrived
     needs_weights: bool = False  # it holds no usable policy weights (SyncJoin.needs_weights)
+    incarnation: str = ""  # its process's (SyncJoin.incarnation)
 
 
 # A generator's SUB socket (re)subscribes when it (re)connects, at the same moment its DEALER
@@ -216,7 +217,8 @@ class WeightBroadcaster:
                         msg.workers,
                     )
                 old = self.members.get(msg.generator_id)
-                if old is not None and msg.version < old.version:
+                another = bool(old and old.incarnation and msg.incarnation and msg.incarnation != old.incarnation)
+                if old is not None and (msg.version < old.version or another):
                     # A new process under a known id (restarted, or a spare that took its place):
                     # it holds none of what the old one was sent, and a sync waiting for the old
                     # one's ack would wait for its deadline. It joins afresh (JOIN_SETTLE_S).
@@ -225,7 +227,7 @@ class WeightBroadcaster:
                     self.quarantine.clear(msg.generator_id)  # a new process: a fresh start
                     old = None
                 self.members[msg.generator_id] = Member(
-                    msg.workers, msg.version, now, old.joined if old else now, msg.needs_weights
+                    msg.workers, msg.version, now, old.joined if old else now, msg.needs_weights, msg.incarnation
                 )
             elif isinstance(msg, WeightsAck):
                 self._acks[msg.generator_id] = msg

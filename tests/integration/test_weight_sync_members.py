@@ -63,6 +63,35 @@ def test_a_generator_back_under_its_id_ends_the_wait_for_the_old_ones_ack() -> N
         wb.close()
 
 
+def test_a_new_process_under_a_known_id_at_the_same_version_is_seen_as_new() -> None:
+    """A spare that took a dead generator's id at the version the dead one served (both synced
+    to v7) was taken for the old process: the next sync broadcast on the group the old one had
+    been in, to a process that holds none of it. Its SyncJoin's incarnation now tells them apart."""
+    cfg = SyncConfig(announce_port=free_port(), join_port=free_port(), timeout_s=20)
+    wb = WeightBroadcaster(cfg)
+    old = SyncLink("127.0.0.1", cfg.announce_port, cfg.join_port, "gen0", 1)
+    new: SyncLink | None = None
+    try:
+
+        def joined_since(link: SyncLink, since: float) -> bool:
+            link.join(7, every_s=0.05)
+            wb.poll(50)
+            member = wb.members.get("gen0")
+            return member is not None and member.last_seen > since
+
+        wait_until(lambda: joined_since(old, 0.0), 15, "the old process's SyncJoin at v7")
+        assert not wb._restarted
+        old.close()
+        closed = time.monotonic()
+        new = SyncLink("127.0.0.1", cfg.announce_port, cfg.join_port, "gen0", 1)
+        wait_until(lambda: joined_since(new, closed), 15, "the new process's SyncJoin at v7")  # type: ignore[arg-type]
+        assert wb._restarted == {"gen0"}  # the next sync builds the group again, with the new process
+    finally:
+        if new is not None:
+            new.close()
+        wb.close()
+
+
 def start_member(ports: tuple[int, int], gen_id: str, *mode: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.integration.weight_member", str(ports[0]), str(ports[1]), gen_id, *mode],

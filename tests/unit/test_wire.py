@@ -196,7 +196,12 @@ def test_garbage_is_rejected_naming_the_field(data: bytes, reason: str, field: s
 
 @pytest.mark.parametrize(
     ("changes", "field"),
-    [({"needs_weights": "yes"}, "needs_weights"), ({"version": -1}, "version"), ({"workers": 0}, "workers")],
+    [
+        ({"needs_weights": "yes"}, "needs_weights"),
+        ({"version": -1}, "version"),
+        ({"workers": 0}, "workers"),
+        ({"incarnation": "x" * 65}, "incarnation"),
+    ],
 )
 def test_bad_sync_join_names_the_field(changes: dict[str, object], field: str) -> None:
     with pytest.raises(WireError) as err:
