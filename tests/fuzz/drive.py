@@ -462,7 +462,7 @@ def fuzz_sync_join(seeds: list[bytes], n: int, rng: random.Random) -> FuzzResult
             identity, payload = router.recv_multipart()
             got.append((identity, decoder.decode(payload)))
         assert got == [
-            (b"gen-fuzz", SyncJoin(generator_id="gen-fuzz", version=3, workers=1)),
+            (b"gen-fuzz", SyncJoin(generator_id="gen-fuzz", version=3, workers=1, incarnation=sync.incarnation)),
             (b"gen-fuzz", WeightsAck(generator_id="gen-fuzz", version=3, epoch=7, seconds=0.1)),
         ]
     finally:
