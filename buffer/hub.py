@@ -35,6 +35,7 @@ from flywheel.store import (
     RunKeys,
     StoredScore,
     chunk_blob_field,
+    dropped_entry,
     pack,
     sample_field,
     score_field,
@@ -817,22 +818,39 @@ class Hub:
         The list's head is read here and trimmed in the turn's write, with the UNLINKs and the
         re-queues: popped at once, a hub killed before its write (or a pop retried after a lost
         reply) would forget the groups, leaving their keys in Redis for good. Learners only append."""
-        gids = self.redis.lrange(self.keys.dropped, 0, 255)
+        entries = self.redis.lrange(self.keys.dropped, 0, 255)
         self._to_reap = 0  # the turn's write reads the list's length again, after its trim
-        if not gids:
+        if not entries:
             return
-        self._pipe.ltrim(self.keys.dropped, len(gids), -1)
+        self._pipe.ltrim(self.keys.dropped, len(entries), -1)
+        dropped = []
+        for entry in entries:
+            try:
+                dropped.append(dropped_entry(entry))
+            except ValueError as err:  # not a learner's: nothing to clean up, and nothing to stop for
+                log.error("%s: skipped", err)
         metas = self.redis.pipeline(transaction=False)
-        for gid in gids:
-            metas.hget(self.keys.group(int(gid)), META)
-        for gid, raw in zip(gids, metas.execute(), strict=True):
+        for gid, _ in dropped:
+            metas.hget(self.keys.group(gid), META)
+        for (gid, handed_back), raw in zip(dropped, metas.execute(), strict=True):
             if raw is not None:
-                self._requeue(unpack(GroupMeta, raw))
+                meta = unpack(GroupMeta, raw)
+                if handed_back:  # not the prompt's doing: the attempt is not spent
+                    self._requeue(meta, "handed back by a restarted learner", spends_attempt=False)
+                else:
+                    self._requeue(meta)
             elif self.cfg.async_.requeue_stale:
-                log.warning("group %d came back without its prompt: not re-queued", int(gid))
-            self._pipe.unlink(self.keys.group(int(gid)))
+                log.warning("group %d came back without its prompt: not re-queued", gid)
+            self._pipe.unlink(self.keys.group(gid))
+        back = sum(handed_back for _, handed_back in dropped)
+        if back:
+            log.info(
+                "%d groups handed back by a restarted learner (claimed, never trained on)%s",
+                back,
+                ": prompts re-queued" if self.cfg.async_.requeue_stale else "",
+            )
         # (debug: it can come 20 times a second for days; the stats line counts the drops)
-        log.debug("%d groups dropped as too stale (requeue=%s)", len(gids), self.cfg.async_.requeue_stale)
+        log.debug("%d groups dropped as too stale (requeue=%s)", len(dropped) - back, self.cfg.async_.requeue_stale)
 
     def _drop_doomed(self) -> None:
         """Drop every group still generating that already holds a token older than any claim
@@ -894,13 +912,14 @@ class Hub:
             self._dropped_groups.clear()
             self._revoked_leases.clear()
 
-    def _requeue(self, meta: GroupMeta, why: str = "as too stale") -> None:
+    def _requeue(self, meta: GroupMeta, why: str = "as too stale", spends_attempt: bool = True) -> None:
         """Issue a dropped group's prompt again, before the cursor advances, unless it has had its
         ``async.max_requeues`` attempts: a prompt whose answers always outlast the bound (or
-        always fail their reward) is then skipped and counted, not generated for good."""
+        always fail their reward) is then skipped and counted, not generated for good. A drop
+        that is not the prompt's doing (``spends_attempt`` false) issues it at the same attempt."""
         if not self.cfg.async_.requeue_stale:
             return
-        attempt = meta.attempt + 1
+        attempt = meta.attempt + int(spends_attempt)
         if attempt > self.cfg.async_.max_requeues:
             self.stats.prompts_abandoned += 1
             self._pipe.hincrby(self.keys.counters, "prompts_abandoned", 1)

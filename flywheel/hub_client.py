@@ -29,6 +29,7 @@ from flywheel.store import (
     CLAIM_SCRIPT,
     FINISH_SCRIPT,
     FINISHED_SCRIPT,
+    HANDED_BACK,
     KEEP_PROMPT_SCRIPT,
     META,
     RELEASE_UNTRAINED_SCRIPT,
@@ -229,7 +230,7 @@ class BatchClient:
             gids = sorted(int(g) for g in self.redis.smembers(claimed))
             if gids:
                 pipe = self.redis.pipeline(transaction=True)  # (run-level keys: one slot)
-                pipe.rpush(self.keys.dropped, *gids)
+                pipe.rpush(self.keys.dropped, *(f"{gid}:{HANDED_BACK}" for gid in gids))
                 pipe.delete(claimed)
                 pipe.execute()
             return len(gids)

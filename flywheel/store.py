@@ -103,6 +103,22 @@ class RunKeys:
 # Hash fields inside a group key.
 META = b"meta"
 
+# An entry of the run's ``dropped`` list is a group id ("17": dropped as too stale by a claim), or
+# a group id and this mark ("17:back"): claimed by a learner that died before training on it, and
+# handed back at its restart. The hub issues both prompts again (async.requeue_stale); only the
+# first spends one of the prompt's async.max_requeues attempts, since the second says nothing
+# about the prompt.
+HANDED_BACK = "back"
+
+
+def dropped_entry(raw: bytes | str) -> tuple[int, bool]:
+    """A ``dropped`` list entry: (group id, handed back by a restarted learner)."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    gid, sep, mark = text.partition(":")
+    if not (gid.isascii() and gid.isdigit()) or (sep and mark != HANDED_BACK):
+        raise ValueError(f"dropped list entry {text[:40]!r} is neither GROUP_ID nor GROUP_ID:{HANDED_BACK}")
+    return int(gid), mark == HANDED_BACK
+
 
 def chunk_blob_field(lease_id: int, sample: int, first_seq: int) -> bytes:
     """One field per (group, hub turn): the group's chunks accepted in that turn, all samples.

@@ -17,7 +17,7 @@ import redis
 from flywheel.hub_client import BatchClient
 from flywheel.redis_server import RedisServer
 from flywheel.staleness import StalenessPolicy
-from flywheel.store import META, GroupMeta, pack
+from flywheel.store import META, GroupMeta, dropped_entry, pack
 
 RUN = "flywheel"
 
@@ -101,7 +101,8 @@ def test_a_learner_killed_before_training_on_its_claims_hands_them_to_the_hub(
     assert other_rank.release_claimed() == 0  # another rank's claims are not its own
     restarted = BatchClient(redis_server.client(), RUN, StalenessPolicy(4, 2))  # the same rank, again
     assert restarted.release_claimed() == 4
-    assert sorted(int(g) for g in client.redis.lrange(client.keys.dropped, 0, -1)) == [1, 2, 3, 4]
+    entries = [dropped_entry(e) for e in client.redis.lrange(client.keys.dropped, 0, -1)]
+    assert sorted(entries) == [(g, True) for g in (1, 2, 3, 4)]  # marked: not dropped as too stale
     for gid in (1, 2, 3, 4):  # each with its prompt, for the hub to issue again
         assert client.redis.hget(client.keys.group(gid), META) is not None
     assert client.redis.zrange(client.keys.ready, 0, -1) == [b"5"]  # still ready, untouched
@@ -119,8 +120,8 @@ def test_the_claims_of_ranks_a_smaller_restart_no_longer_has_are_handed_back(
     for rank in range(4):
         BatchClient(redis_server.client(), RUN, StalenessPolicy(4, 2), owner=str(rank)).try_claim(2, 0)
     assert client.release_claimed_of_ranks_gone(2) == 4
-    handed_back = sorted(int(g) for g in client.redis.lrange(client.keys.dropped, 0, -1))
-    assert handed_back == [5, 6, 7, 8]  # ranks 2 and 3 claimed after ranks 0 and 1
+    handed_back = sorted(dropped_entry(e) for e in client.redis.lrange(client.keys.dropped, 0, -1))
+    assert handed_back == [(g, True) for g in (5, 6, 7, 8)]  # ranks 2 and 3 claimed after ranks 0 and 1
     assert client.redis.scard(client.keys.claimed("1")) == 2  # rank 1 is still there: its own to hand back
     assert client.redis.exists(client.keys.claimed("2"), client.keys.claimed("3")) == 0
 

@@ -182,6 +182,29 @@ def test_groups_a_learner_dropped_stay_listed_until_the_turn_that_removes_them_i
     assert hub._to_reap == 1  # read back with the write: the next reap takes it
 
 
+def test_a_garbled_entry_of_the_dropped_list_is_skipped_not_fatal(turns: TurnByTurn) -> None:
+    """The list's entries are ``GID`` or ``GID:back``; anything else (a foreign writer, a bug) is
+    logged and trimmed with the rest, and the good entries around it are reaped as ever."""
+    hub, redis = turns.hub, turns.hub.redis
+    for gid in (7, 8):
+        redis.hset(hub.keys.group(gid), "c:x", b"blob")
+    redis.rpush(hub.keys.dropped, b"7", b"\xff\x00garbage", b"12:front", b"8:back")
+    hub._reap_dropped()
+    hub._flush()
+    assert redis.llen(hub.keys.dropped) == 0
+    assert redis.exists(hub.keys.group(7), hub.keys.group(8)) == 0
+
+
+def test_dropped_entries_parse_or_name_the_format() -> None:
+    from flywheel.store import dropped_entry
+
+    assert dropped_entry(b"17") == (17, False)
+    assert dropped_entry("17:back") == (17, True)
+    for bad in (b"", b"-3", b"17:", b"17:later", b"x:back", b"\xff"):
+        with pytest.raises(ValueError, match="GROUP_ID:back"):
+            dropped_entry(bad)
+
+
 def test_a_restarted_hub_gives_a_sample_with_no_token_no_version(turns: TurnByTurn) -> None:
     """A sample that ended with no token (an empty final chunk) has no version, and the live
     hub gives it none; rebuilt from Redis, it read as version 0, and the group, still fresh,

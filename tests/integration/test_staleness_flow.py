@@ -171,6 +171,11 @@ def test_the_prompts_of_claims_a_dead_learner_never_trained_on_are_requeued(clus
     assert restarted.release_claimed() == 2 * GPS
     wait_until(lambda: prompts <= requeued(client, gids), 10, f"prompts {sorted(prompts)} re-queued")
     wait_until(lambda: not any(r.exists(client.keys.group(g)) for g in gids), 10, "the lost groups' keys removed")
+    # at the attempt they had: the learner's death says nothing about the prompts, and must not
+    # bring them closer to async.max_requeues (before, each went out again as attempt 1)
+    assert sorted(r.lrange(client.keys.requeue, 0, -1)) == sorted(f"{p}:0".encode() for p in prompts)
+    log_text = cluster.hub.log_path.read_text()  # type: ignore[union-attr]
+    assert "groups handed back by a restarted learner" in log_text and "too stale" not in log_text
 
 
 def test_a_prompt_dropped_more_than_max_requeues_times_is_abandoned(cluster: Cluster) -> None:
