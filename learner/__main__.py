@@ -99,6 +99,12 @@ def train(cfg: FlywheelConfig) -> int:
         trainer.run()
     finally:
         trainer.close()
+    # Left to the interpreter's exit, the process group's threads were torn down while still
+    # running, and a rank could abort after its run was done ("terminate called without an
+    # active exception", exit -6: a whole run counted failed). Only here, on success: after an
+    # error a peer may still be blocked in a collective, and the teardown could wait on it.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     log.info("done at version %d", trainer.version)
     return 0
 
