@@ -17,9 +17,12 @@ the vLLM engines replaced by simulated ones (``generators/fleet.py``) so that 8 
 fit on one machine. Every configuration has the same workload: ``--fleet-seqs`` sequence slots
 in all (split over the generators), long-tailed response lengths (lognormal, median 16 tokens,
 sigma 1: about 1% of responses 10x the median; at most ``--max-tokens``), one batch per step that
-fills the fleet's nominal slots once, and a learner that trains at ``--learner-speed`` (0.8) of the
+fills the fleet's nominal slots once, and a learner that trains at ``--learner-speed`` (0.7) of the
 rate the full fleet generates: the AReaL-like setting, most of the compute generating, sized so
-that the learner, the side that must not wait, is the bottleneck (an engine's step is ``t0`` plus
+that the learner, the side that must not wait, is the bottleneck at every η from 4 to 8 (at η = 4
+the bound drops the groups holding the longest responses, and what is left is about 0.73 of the
+fleet's nominal rate: a learner at 0.8, the sweep's speed before, waits for the fleet there; an
+engine's step is ``t0`` plus
 ``t0 / slots`` per running sequence; each engine leases twice its slots, ``--oversubscribe``,
 so whole-group leases do not idle it behind their longest sample). Sync is the same system at
 η = 0 (each batch generated wholly by the learner's current weights, so every step waits for its
@@ -421,12 +424,12 @@ def main() -> int:
         default=128,
         help="larger fleets run on a clock slower in proportion (this machine's cores host them all)",
     )
-    p.add_argument("--learner-speed", type=float, default=0.8, help="learner tokens/s over the full fleet's")
+    p.add_argument("--learner-speed", type=float, default=0.7, help="learner tokens/s over the full fleet's")
     p.add_argument(
         "--sensitivity-speeds",
         type=float,
         nargs="*",
-        default=[0.7],
+        default=[0.8],
         help="after the sweep: the smallest fleet again at these learner speeds (at eta 0 and --sensitivity-etas)",
     )
     p.add_argument("--sensitivity-etas", type=int, nargs="+", default=[4])
