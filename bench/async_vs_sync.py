@@ -21,12 +21,11 @@ fills the fleet's nominal slots once, and a learner that trains at ``--learner-s
 rate the full fleet generates: the AReaL-like setting, most of the compute generating, sized so
 that the learner, the side that must not wait, is the bottleneck at every η from 4 to 8 (at η = 4
 the bound drops the groups holding the longest responses, and what is left is about 0.73 of the
-fleet's nominal rate: a learner at 0.8, the sweep's speed before, waits for the fleet there; an
-engine's step is ``t0`` plus
-``t0 / slots`` per running sequence; each engine leases twice its slots, ``--oversubscribe``,
-so whole-group leases do not idle it behind their longest sample). Sync is the same system at
-η = 0 (each batch generated wholly by the learner's current weights, so every step waits for its
-longest response); the speedup at η is the sync seconds per learner step over the async ones.
+fleet's nominal rate: a learner at 0.8, the sweep's speed before, waits for the fleet there).
+An engine's step is ``t0`` plus ``t0 / slots`` per running sequence; each engine leases twice its
+slots (``--oversubscribe``), so whole-group leases do not idle it behind their longest sample.
+Sync is the same system at η = 0 (each batch generated wholly by the learner's current weights, so
+every step waits for its longest response); the speedup at η is the sync seconds per learner step over the async ones.
 Fleets of more than ``--full-clock-generators`` run on a clock slower in proportion (this
 machine's two cores host every engine); after the sweep, the smallest fleet runs again with the
 learner at ``--sensitivity-speeds`` of the fleet's rate (``sim_sensitivity`` in the JSON).
