@@ -55,24 +55,19 @@ class SyncLink:
         now = time.monotonic()
         if now >= self._join_after and now - self._last_join >= every_s:
             self._last_join = now
-            msg = SyncJoin(
-                generator_id=self.generator_id,
-                version=version,
-                workers=self.workers,
-                needs_weights=needs_weights,
-                incarnation=self.incarnation,
-            )
-            with contextlib.suppress(zmq.Again):
-                self.dealer.send(encode(msg), zmq.NOBLOCK)
+            self._send_join(version, needs_weights=needs_weights)
 
     def leave(self, version: int) -> None:
         """This generator stops: out of the next syncs at once (sent once; close gives it time to go)."""
+        self._send_join(version, leaving=True)
+
+    def _send_join(self, version: int, **flags: bool) -> None:
         msg = SyncJoin(
             generator_id=self.generator_id,
             version=version,
             workers=self.workers,
-            leaving=True,
             incarnation=self.incarnation,
+            **flags,
         )
         with contextlib.suppress(zmq.Again):
             self.dealer.send(encode(msg), zmq.NOBLOCK)
