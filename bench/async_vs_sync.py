@@ -26,8 +26,10 @@ An engine's step is ``t0`` plus ``t0 / slots`` per running sequence; each engine
 slots (``--oversubscribe``), so whole-group leases do not idle it behind their longest sample.
 Sync is the same system at η = 0 (each batch generated wholly by the learner's current weights, so
 every step waits for its longest response); the speedup at η is the sync seconds per learner step over the async ones.
-Fleets of more than ``--full-clock-generators`` run on a clock slower in proportion (this
-machine's two cores host every engine); after the sweep, the smallest fleet runs again with the
+Fleets of more than ``--full-clock-generators`` (64 per core of the host) run on a clock slower in
+proportion, since the host's cores run every engine: on the 2-core machine the fleet of 512 runs 4×
+slower and still idles the learner 9.4% at η = 4, where on 16 cores it idles 0.1%
+(``bench/results/async_vs_sync_16core.json``); after the sweep, the smallest fleet runs again with the
 learner at ``--sensitivity-speeds`` of the fleet's rate (``sim_sensitivity`` in the JSON).
 
     python bench/async_vs_sync.py --sim --real      # the full benchmark (about 50 minutes on 2 cores)
@@ -63,6 +65,13 @@ from flywheel.staleness import StalenessPolicy  # noqa: E402
 from flywheel.tiny import build_tokenizer, write_arithmetic_jsonl  # noqa: E402
 
 SAMPLES_PER_PROMPT = 4
+
+
+# How many simulated generators one core hosts on the full clock: on the 2-core machine 128 ran at
+# 95% of their slots, 512 at 78% (the hub and the engines' processes took both cores); on 16 cores
+# 512 ran at 100% (bench/results/async_vs_sync_16core.json).
+GENERATORS_PER_CORE = 64
+CORES = psutil.cpu_count() or 2
 
 
 def run_config(work: Path, args: argparse.Namespace, generators: int, eta: int, learner_speed: float) -> dict[str, Any]:
@@ -420,8 +429,9 @@ def main() -> int:
     p.add_argument(
         "--full-clock-generators",
         type=int,
-        default=128,
-        help="larger fleets run on a clock slower in proportion (this machine's cores host them all)",
+        default=GENERATORS_PER_CORE * CORES,
+        help=f"larger fleets run on a clock slower in proportion, since this host's cores run them all "
+        f"(default {GENERATORS_PER_CORE} per core: {GENERATORS_PER_CORE * CORES} here)",
     )
     p.add_argument("--learner-speed", type=float, default=0.7, help="learner tokens/s over the full fleet's")
     p.add_argument(
@@ -439,7 +449,13 @@ def main() -> int:
     p.add_argument(
         "--keep-stale", action="store_true", help="async.revoke_stale false: groups too stale finish generating"
     )
-    p.add_argument("--fleet-procs", type=int, default=4, help="processes hosting the simulated engines")
+    p.add_argument(
+        "--fleet-procs",
+        type=int,
+        default=max(4, CORES - 4),
+        help="processes hosting the simulated engines (default: the cores less four for the hub, Redis, "
+        f"the reward service and the learner, at least 4: {max(4, CORES - 4)} here)",
+    )
     p.add_argument("--out", default=None, help="(default bench/results/async_vs_sync.json; quick: *_quick.json)")
     args = p.parse_args()
     # a quick look never overwrites the recorded full run
