@@ -67,11 +67,14 @@ from flywheel.tiny import build_tokenizer, write_arithmetic_jsonl  # noqa: E402
 SAMPLES_PER_PROMPT = 4
 
 
-# How many simulated generators one core hosts on the full clock: on the 2-core machine 128 ran at
-# 95% of their slots, 512 at 78% (the hub and the engines' processes took both cores); on 16 cores
-# 512 ran at 100% (bench/results/async_vs_sync_16core.json).
+# The host's cores size the simulated fleet's defaults. One core hosts 64 generators on the full
+# clock: on the 2-core machine 128 ran at 95% of their slots, 512 at 78% (the hub and the engines'
+# processes took both cores); on 16 cores 512 ran at 100% (bench/results/async_vs_sync_16core.json).
+# The engines' processes get the cores less four (the hub, Redis, the reward service, the learner).
 GENERATORS_PER_CORE = 64
 CORES = psutil.cpu_count() or 2
+FULL_CLOCK_GENERATORS = GENERATORS_PER_CORE * CORES
+FLEET_PROCS = max(4, CORES - 4)
 
 
 def run_config(work: Path, args: argparse.Namespace, generators: int, eta: int, learner_speed: float) -> dict[str, Any]:
@@ -429,9 +432,9 @@ def main() -> int:
     p.add_argument(
         "--full-clock-generators",
         type=int,
-        default=GENERATORS_PER_CORE * CORES,
+        default=FULL_CLOCK_GENERATORS,
         help=f"larger fleets run on a clock slower in proportion, since this host's cores run them all "
-        f"(default {GENERATORS_PER_CORE} per core: {GENERATORS_PER_CORE * CORES} here)",
+        f"(default {GENERATORS_PER_CORE} per core: {FULL_CLOCK_GENERATORS} here)",
     )
     p.add_argument("--learner-speed", type=float, default=0.7, help="learner tokens/s over the full fleet's")
     p.add_argument(
@@ -452,9 +455,8 @@ def main() -> int:
     p.add_argument(
         "--fleet-procs",
         type=int,
-        default=max(4, CORES - 4),
-        help="processes hosting the simulated engines (default: the cores less four for the hub, Redis, "
-        f"the reward service and the learner, at least 4: {max(4, CORES - 4)} here)",
+        default=FLEET_PROCS,
+        help=f"processes hosting the simulated engines (default: the cores less four, at least 4: {FLEET_PROCS} here)",
     )
     p.add_argument("--out", default=None, help="(default bench/results/async_vs_sync.json; quick: *_quick.json)")
     args = p.parse_args()
