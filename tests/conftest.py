@@ -9,6 +9,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -17,6 +18,23 @@ from flywheel.redis_server import RedisServer
 from flywheel.tiny import build_checkpoint, build_tokenizer, write_arithmetic_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
+
+if TYPE_CHECKING:
+    from learner.weight_sync import WeightBroadcaster
+
+# A vLLM-CPU engine starts in ~20 s on an idle machine; under CI's load (two test workers, the
+# other worker's engines and learners) a start took over 100 s, and a claim that also waited for
+# it timed out. So a test first waits for the engine (it joins the weight sync once up), then
+# gives its claims their own time for generation alone.
+ENGINE_START_S = 300.0
+
+
+def wait_started(gen: Service, wb: WeightBroadcaster) -> None:
+    """Until the vLLM generator ``gen`` joined ``wb``'s weight sync, which it does once its
+    engine is up; its log's tail if it never does."""
+    assert wb.wait_for_members(1, timeout_s=ENGINE_START_S), (
+        f"the generator never joined the weight sync:\n{gen.tail()}"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import torch
 from flywheel.config import SyncConfig
 from flywheel.redis_server import free_port
 from learner.weight_sync import WeightBroadcaster
-from tests.conftest import ROOT, Cluster, wait_until
+from tests.conftest import ROOT, Cluster, wait_started, wait_until
 
 DEADLINE_S = 4.0
 
@@ -42,7 +42,7 @@ def test_frozen_generator_is_evicted_and_a_frozen_learner_wedges_nothing(
     gen = cluster.start_generator("g0", checkpoint_dir, ports)
     wb = WeightBroadcaster(cfg)
     try:
-        assert wb.wait_for_members(1, timeout_s=180), gen.tail()
+        wait_started(gen, wb)
 
         # 1. the generator freezes: the sync ends at its deadline, evicting it; the next one does not wait
         os.killpg(gen.pid, signal.SIGSTOP)

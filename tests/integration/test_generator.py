@@ -18,14 +18,13 @@ import torch
 
 from flywheel.config import SyncConfig
 from flywheel.hub_client import Batch, BatchClient, RolloutSample
-from flywheel.procs import Service
 from flywheel.redis_server import free_port
 from flywheel.staleness import StalenessPolicy
 from flywheel.store import RunKeys
 from flywheel.weights import host_store
 from flywheel.wire import BucketLayout, WeightsReady, encode
 from learner.weight_sync import WeightBroadcaster
-from tests.conftest import Cluster, wait_until
+from tests.conftest import ENGINE_START_S, Cluster, wait_started, wait_until
 from tests.integration.greedy import assert_greedy, teacher_forced
 
 STALENESS = 100  # these tests drive versions by hand; admission must not get in the way
@@ -57,19 +56,6 @@ def start_hub(cluster: Cluster, *overrides: str) -> None:
 
 def client(cluster: Cluster) -> BatchClient:
     return BatchClient(redis.Redis.from_url(cluster.redis.url), "flywheel", StalenessPolicy(STALENESS, 2))
-
-
-# A vLLM-CPU engine starts in ~20 s on an idle machine; under CI's load (two test workers, the
-# other worker's engines and learners) a start took over 100 s, and a claim that also waited for
-# it timed out. So a test first waits for the engine (it joins the weight sync once up), then
-# gives its claims their own time for generation alone.
-ENGINE_START_S = 300.0
-
-
-def wait_started(gen: Service, wb: WeightBroadcaster) -> None:
-    assert wb.wait_for_members(1, timeout_s=ENGINE_START_S), (
-        f"the generator never joined the weight sync:\n{gen.tail()}"
-    )
 
 
 def claim(c: BatchClient, n: int, timeout_s: float = 120.0) -> Batch:
