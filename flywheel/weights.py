@@ -455,7 +455,7 @@ def _all_joined(
 
 def join_announced(ready: WeightsReady, rank: int, device: torch.device | str = "cpu") -> WeightGroup:
     """A generator's side: join the group ``ready`` announces, as ``rank``, by its deadline."""
-    timeout = ready.deadline - time.time()
+    timeout = ready.due - time.time()
     if timeout <= 0:
         raise WeightSyncError(f"the deadline of version {ready.version} passed before this worker could join")
     return join_group(
@@ -480,7 +480,7 @@ def receive(group: WeightGroup, ready: WeightsReady) -> Iterator[tuple[str, torc
     if group.transport == "ipc":
         from flywheel.weights_ipc import receive_ipc, sync_prefix
 
-        yield from receive_ipc(group, ready, sync_prefix(ready.version, ready.deadline))
+        yield from receive_ipc(group, ready, sync_prefix(ready.version, ready.sync_stamp))
         return
 
     def post(layout: BucketLayout) -> tuple[BucketLayout, torch.Tensor, Any]:

@@ -42,9 +42,10 @@ if TYPE_CHECKING:
     from flywheel.wire import BucketLayout, WeightsReady
 
 
-def sync_prefix(version: int, deadline: float) -> str:
-    """One sync's keys: a group serves many syncs, and a catch-up sync re-sends a version."""
-    return f"ipc/{version}/{int(deadline * 1e6)}"
+def sync_prefix(version: int, stamp: float) -> str:
+    """One sync's keys: a group serves many syncs, and a catch-up sync re-sends a version.
+    ``stamp`` is ``WeightsReady.sync_stamp``, the same number on both sides."""
+    return f"ipc/{version}/{int(stamp * 1e6)}"
 
 
 def _wait(store: dist.Store, keys: list[str], group: WeightGroup, what: str) -> None:

@@ -126,6 +126,7 @@ MAX_MODEL_CHARS = 4096  # a Register's model name or path
 MAX_BREAKDOWN = 1024  # a Score's named reward terms
 MAX_BREAKDOWN_NAME = 256  # characters of one term's name
 MAX_ERROR_CHARS = 16384  # a Score's error text (the reward service clips longer ones)
+MAX_SYNC_SPAN_S = 86400.0  # a WeightsReady's deadline after its announcement (sync.timeout_s is far less)
 
 
 def clip_error(text: str) -> str:
@@ -453,17 +454,47 @@ class WeightsReady(Message, tag=True):
     rendezvous store at ``master_addr:master_port``; a generator with W workers takes ranks
     ``ranks[generator_id] .. ranks[generator_id] + W - 1``. ``epoch`` names the group: while it
     stays the same, receivers reuse the group they already joined.
+
+    ``deadline`` is on the learner's clock, and so is ``announced_at``, the time it sent this. A
+    receiver times the sync on its own clock: ``on_receipt`` sets ``local_deadline`` to when it
+    read the message plus ``deadline - announced_at``, and every wait reads ``due``. So a
+    generator host whose clock is off from the learner's (no NTP, a drifting VM) still gives the
+    sync its whole time, where comparing the learner's deadline with its own clock would give up
+    that many seconds early (or wait that many late).
     """
 
     version: int
     buckets: list[BucketLayout]
     transport: str  # "nccl" | "gloo" | "ipc"
-    deadline: float  # unix time
+    deadline: float  # unix time, the learner's
     epoch: int  # process-group generation; a new one after every membership change or failure
     master_addr: str
     master_port: int
     world_size: int
     ranks: dict[str, int]  # generator id -> its first rank in the group
+    # the learner's unix time when it announced this sync; 0: a sender that does not say (its
+    # deadline is then taken as it is, on the receiver's clock)
+    announced_at: float = 0.0
+    # set by the generator that received it, for its workers: the deadline on its own clock
+    local_deadline: float = 0.0
+
+    def on_receipt(self, now: float) -> WeightsReady:
+        """This announcement as read at ``now`` on the receiver's clock: ``due`` is then ``now``
+        plus the time the learner gave the sync."""
+        if self.announced_at <= 0:
+            return self
+        return msgspec.structs.replace(self, local_deadline=now + (self.deadline - self.announced_at))
+
+    @property
+    def due(self) -> float:
+        """The deadline on this host's clock (``on_receipt``), else as the learner sent it."""
+        return self.local_deadline or self.deadline
+
+    @property
+    def sync_stamp(self) -> float:
+        """What tells this sync from another of the same version on both sides, whatever clock
+        each reads (the ipc transport's store keys): the learner's ``announced_at``."""
+        return self.announced_at or self.deadline
 
     def check(self) -> None:
         _check_nonneg(self.version, "version")
@@ -477,6 +508,13 @@ class WeightsReady(Message, tag=True):
             _require(b.nbytes >= 0, f"buckets[{i}].nbytes", "must be >= 0")
         _require(self.transport in ("nccl", "gloo", "ipc"), "transport", "must be nccl, gloo or ipc")
         _require(math.isfinite(self.deadline), "deadline", "must be a finite unix time")
+        for name in ("announced_at", "local_deadline"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value >= 0, name, f"must be a finite unix time or 0, got {value}")
+        if self.announced_at > 0:
+            span = self.deadline - self.announced_at
+            ok = 0 <= span <= MAX_SYNC_SPAN_S
+            _require(ok, "deadline", f"must be 0..{MAX_SYNC_SPAN_S:g}s after announced_at, got {span:g}s")
         _require(0 < self.master_port < 65536, "master_port", f"must be a TCP port, got {self.master_port}")
         _require(1 <= self.world_size <= 65536, "world_size", f"must be in 1..65536, got {self.world_size}")
         for gen, rank in self.ranks.items():

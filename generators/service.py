@@ -376,7 +376,7 @@ class GeneratorService:
 
     async def _update(self, ready: WeightsReady, raw: bytes) -> UpdateResult:
         start = time.perf_counter()
-        if time.time() > ready.deadline:
+        if time.time() > ready.due:
             return self._ack_update(ready, "its deadline passed before this generator read it", start)
         interrupt = self.cfg.async_.partial_rollout == "interrupt"
         if interrupt:
@@ -433,7 +433,7 @@ class GeneratorService:
 
     async def _load(self, ready: WeightsReady, raw: bytes) -> tuple[str | None, bool]:
         first_rank = ready.ranks[self.generator_id]
-        budget = max(0.1, ready.deadline - time.time()) + 5.0  # the workers' own timeout fires first
+        budget = max(0.1, ready.due - time.time()) + 5.0  # the workers' own timeout fires first
         try:
             results = await asyncio.wait_for(
                 self.engine.collective_rpc(

@@ -91,6 +91,9 @@ class SyncLink:
                 self.rejects.reject(err.reason, err, "announce")
                 continue
             assert isinstance(msg, WeightsReady)
+            if msg.announced_at > 0:  # its deadline on this host's clock, for the workers too
+                msg = msg.on_receipt(time.time())
+                payload = encode(msg)
             out.append((msg, payload))
 
     def _drain_dealer(self) -> None:

@@ -109,15 +109,15 @@ class WeightReceiverExtension:
     def _flywheel_join(self, ready: WeightsReady, rank: int) -> WeightGroup:
         group = self._flywheel_group
         if group is not None and group.epoch == ready.epoch:
-            group.op_timeout_s = max(ready.deadline - time.time(), 0.1)  # this sync's, not the first one's
-            group.deadline = ready.deadline
+            group.op_timeout_s = max(ready.due - time.time(), 0.1)  # this sync's, not the first one's
+            group.deadline = ready.due
             return group
         self._flywheel_drop_group()
         # gloo moves host memory (the loader copies each tensor to the model's device); NCCL
         # receives straight into device memory
         device = self.device if ready.transport in ("nccl", "ipc") else "cpu"  # type: ignore[attr-defined]
         group = join_announced(ready, rank, device)
-        group.deadline = ready.deadline
+        group.deadline = ready.due
         self._flywheel_group = group
         return group
 

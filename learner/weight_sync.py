@@ -308,13 +308,15 @@ class WeightBroadcaster:
             store = host_store(self.cfg.host, self.cfg.timeout_s)
             report.rebuilt_group = True
         report.members = sorted(self.group_workers)
-        deadline = time.time() + self.cfg.timeout_s
+        announced_at = time.time()
+        deadline = announced_at + self.cfg.timeout_s
         world = 1 + sum(self.group_workers.values())
         ready = WeightsReady(
             version=version,
             buckets=buckets,
             transport=self.transport,
             deadline=deadline,
+            announced_at=announced_at,
             epoch=self.epoch,
             master_addr=self.cfg.host,
             master_port=store.port if store is not None else self._store_port,
@@ -344,7 +346,7 @@ class WeightBroadcaster:
             assert self.group is not None
             self.group.op_timeout_s = max(deadline - time.time(), 0.1)  # no broadcast outlives the deadline...
             self.group.deadline = deadline  # ...nor do all of them together
-            self.group.sync_prefix = sync_prefix(version, deadline)  # (ipc: this sync's keys)
+            self.group.sync_prefix = sync_prefix(version, ready.sync_stamp)  # (ipc: this sync's keys)
             report.broadcast_s = send(self.group, buckets, tensors)
         except RanksLeft as err:  # not a failure of anybody's: the others get it at the next sync
             log.info("weight sync v%d given up: %s", version, err)

@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import msgspec
 import numpy as np
@@ -197,7 +198,12 @@ def test_bad_syncs_late_weights_and_drain(
     assert c.counters().get("groups_issued", 0) == issued, "a generator with stale weights got new work"
     model = perturbed(hf(checkpoint_dir), seed=2)
     assert broadcaster.wait_for_members(1, timeout_s=30)
-    report = broadcaster.sync(2, model.state_dict().items())
+    # ... and the sync comes from a learner whose clock is 1000 s behind the generator's host:
+    # timed on the generator's own clock from its receipt, it is taken all the same (compared
+    # with the learner's deadline, it had passed 940 s before it was sent)
+    real_time = time.time
+    with mock.patch("time.time", lambda: real_time() - 1000.0):
+        report = broadcaster.sync(2, model.state_dict().items())
     assert report.acked == ["g0"], report
     batch = c.claim(2, 2, timeout_s=120)
     for group in batch.groups:

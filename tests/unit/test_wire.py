@@ -221,12 +221,36 @@ def test_bad_sync_join_names_the_field(changes: dict[str, object], field: str) -
         ({"buckets": [{"names": ["a", "b"], "shapes": [[1]], "dtypes": ["float32"], "nbytes": 4}]}, "buckets[0]"),
         ({"buckets": [{"names": ["a"], "shapes": [[1]], "dtypes": ["float32"], "nbytes": -4}]}, "buckets[0].nbytes"),
         ({"version": -1}, "version"),
+        ({"announced_at": math.inf}, "announced_at"),
+        ({"announced_at": -1.0}, "announced_at"),
+        ({"local_deadline": math.nan}, "local_deadline"),
+        ({"announced_at": 1e9 + 1}, "deadline"),  # a deadline before its announcement
+        ({"announced_at": 1e9 - 86401}, "deadline"),  # more than a day to sync
     ],
 )
 def test_bad_weights_ready_names_the_field(changes: dict[str, object], field: str) -> None:
     with pytest.raises(WireError) as err:
         Decoder(WeightsReady).decode(_mutated(READY, **changes))
     assert err.value.field == field, str(err.value)
+
+
+def test_a_sync_deadline_is_kept_on_the_receivers_clock() -> None:
+    """A 60 s sync announced by a learner whose clock is 1000 s behind a generator's, or ahead
+    of it: read on the generator's clock the learner's deadline is long past (or 1000 s away);
+    timed from its receipt, the generator gets its 60 s either way. The message stays valid for
+    its workers, and keeps the learner's stamp, which names its ipc keys on both sides."""
+    learner_now = 5_000.0
+    sent = msgspec.structs.replace(READY, announced_at=learner_now, deadline=learner_now + 60)
+    for skew in (1000.0, -1000.0):
+        ready = Decoder(WeightsReady).decode(encode(sent))
+        assert isinstance(ready, WeightsReady)
+        here = ready.on_receipt(now=learner_now + skew)
+        assert here.due == learner_now + skew + 60
+        assert here.sync_stamp == learner_now
+        passed_on = Decoder(WeightsReady).decode(encode(here))  # as the workers receive it
+        assert isinstance(passed_on, WeightsReady) and passed_on.due == here.due
+    # a sender that does not say when it announced: its deadline is taken as it is
+    assert READY.on_receipt(now=2e9) is READY and READY.due == READY.sync_stamp == READY.deadline
 
 
 def test_batch_error_names_the_chunk() -> None:
