@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import numpy as np
@@ -395,17 +395,37 @@ class ClaimsAhead:
         if self._ahead is not None and self._ahead[0] == version:
             future = self._ahead[1]
             try:
-                batch = future.result(timeout=wait_s)  # the claim itself gives up after timeout_s
+                # Raises FutureTimeout when the wait ends first, and also the claim's own
+                # BatchTimeout (it gives up after timeout_s): a TimeoutError too, from Python 3.11
+                # on, so the two are told apart by whether the claim is done.
+                future.result(timeout=wait_s)
             except FutureTimeout:
-                # kept, even when it completes just now: its groups are consumed in Redis, and
-                # only the next call can still hand them to the learner
-                raise BatchTimeout(f"the batch claimed ahead for v{version} is not ready after {wait_s:.1f}s") from None
+                if not future.done():
+                    # kept: its groups are consumed in Redis, and only the next call can still
+                    # hand them to the learner
+                    raise BatchTimeout(
+                        f"the batch claimed ahead for v{version} is not ready after {wait_s:.1f}s"
+                    ) from None
             except BaseException:
-                self._ahead = None  # the claim failed: the next call claims afresh
-                raise
+                pass  # the claim failed: raised below
             self._ahead = None
-            return batch
+            failure = future.exception()
+            if failure is not None:  # the next call claims afresh
+                raise failure
+            return future.result()
         return self.client.claim(self.n_groups, version, wait_s)
+
+    def take_landed(self, version: int) -> Batch | None:
+        """For a learner ending out of data at ``version``: the batch claimed ahead for a later
+        version, if it is in, as this version's (it meets this version's bound: its claim's floor
+        was higher), else None. Its groups are consumed in Redis: left here, they would end the
+        run untrained (a step whose groups were all filtered out leaves one claimed ahead)."""
+        if self._ahead is None or not self._ahead[1].done() or self._ahead[1].exception() is not None:
+            return None
+        batch = self._ahead[1].result()
+        self._ahead = None
+        groups = [replace(g, staleness=version - g.version) for g in batch.groups]
+        return replace(batch, learner_version=version, groups=groups, staleness=[g.staleness for g in groups])
 
     def ahead_version(self) -> int | None:
         """The version a claim was made ahead for (its claim raised the hub's floor to it - η)."""

@@ -444,7 +444,7 @@ class Trainer:
                     return self.claims.claim(self.version, min(CATCH_UP_CHECK_S, left))
                 except BatchTimeout as err:
                     if self.client.data_done():
-                        return None
+                        return self.claims.take_landed(self.version)  # the last one claimed, if any
                     if time.monotonic() >= deadline:
                         raise RuntimeError(f"learner v{self.version}: no batch within {timeout_s:g}s: {err}") from err
                 if catch_up:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from flywheel.staleness import GroupState, StalenessPolicy, advance
@@ -78,7 +79,67 @@ def test_a_batch_claimed_ahead_that_lands_as_its_wait_times_out_is_kept_for_the_
 
     claims = ClaimsAhead(client=None, n_groups=1, timeout_s=1.0)  # type: ignore[arg-type]
     claims._ahead = (3, LandsAsItTimesOut())
-    with pytest.raises(BatchTimeout):
-        claims.claim(3, wait_s=0.01)
     assert claims.claim(3, wait_s=0.01) is batch
     assert claims._ahead is None
+    # and a claim made ahead that is not done when the wait ends is kept for the next call
+    pending: Future[Batch] = Future()
+    claims._ahead = (3, pending)
+    with pytest.raises(BatchTimeout, match="not ready after"):
+        claims.claim(3, wait_s=0.01)
+    pending.set_result(batch)
+    assert claims.claim(3, wait_s=0.01) is batch and claims._ahead is None
+
+
+def test_a_claim_made_ahead_that_gave_up_is_made_again() -> None:
+    """The claim made ahead for v gave up (its own BatchTimeout, after train.batch_timeout_s:
+    no full batch that long, a slow checkpoint, a stalled fleet). BatchTimeout is a TimeoutError,
+    as the wait's own timeout is from Python 3.11 on: taken for "not ready yet", the dead claim
+    was kept, and every call after returned its error at once, no claim made again, until the
+    learner failed with groups ready in Redis. Now the next call claims afresh."""
+    from concurrent.futures import Future
+
+    from flywheel.hub_client import Batch, BatchTimeout, ClaimsAhead
+
+    batch = Batch(learner_version=3, groups=[], dropped=0, wait_s=0.0)
+    claimed: list[int] = []
+
+    class Client:
+        def claim(self, n_groups: int, version: int, timeout_s: float) -> Batch:
+            claimed.append(version)
+            return batch
+
+    claims = ClaimsAhead(client=Client(), n_groups=1, timeout_s=1.0)  # type: ignore[arg-type]
+    gave_up: Future[Batch] = Future()
+    gave_up.set_exception(BatchTimeout("no batch of 1 groups within 1.0s (0 ready)"))
+    claims._ahead = (3, gave_up)
+    with pytest.raises(BatchTimeout, match="0 ready"):  # its own error, once
+        claims.claim(3, wait_s=0.01)
+    assert claims._ahead is None
+    assert claims.claim(3, wait_s=0.01) is batch and claimed == [3]
+
+
+def test_a_learner_out_of_data_trains_the_batch_it_claimed_ahead() -> None:
+    """A step whose groups were all filtered out leaves the claim made ahead for v+1 waiting,
+    and the learner claims at v again; when the prompts are spent that claim finds nothing, and
+    the run ended with the batch claimed ahead consumed in Redis and never trained. Now it is
+    the last batch, as v's (its groups meet v's bound: the claim ahead's floor was higher)."""
+    from concurrent.futures import Future
+
+    from flywheel.hub_client import Batch, ClaimsAhead, RolloutGroup
+
+    group = RolloutGroup(7, 4, 1, prompt_index=0, prompt_tokens=np.zeros(1, np.int32), metadata={}, samples=[])
+    landed: Future[Batch] = Future()
+    landed.set_result(Batch(learner_version=5, groups=[group], dropped=0, wait_s=0.0, staleness=[1]))
+    claims = ClaimsAhead(client=None, n_groups=1, timeout_s=1.0)  # type: ignore[arg-type]
+    claims._ahead = (5, landed)
+    batch = claims.take_landed(4)
+    assert batch is not None and claims._ahead is None
+    assert batch.learner_version == 4 and [g.group_id for g in batch.groups] == [7]
+    assert [g.staleness for g in batch.groups] == batch.staleness == [0]
+    # one still on its way, or one that failed, is not a batch
+    claims._ahead = (5, Future())
+    assert claims.take_landed(4) is None and claims._ahead is not None
+    failed: Future[Batch] = Future()
+    failed.set_exception(RuntimeError("redis gone"))
+    claims._ahead = (5, failed)
+    assert claims.take_landed(4) is None
