@@ -176,6 +176,8 @@ class WeightBroadcaster:
         self.rejects = Rejections(log)  # what arrived on the join socket and was refused, by reason
         self._acks: dict[str, WeightsAck] = {}
         self._restarted: set[str] = set()  # members whose process was replaced since the sync started
+        # members of the current group that left the sync since it was built (_forget_member)
+        self._left_group: set[str] = set()
         self._store_port = 0  # rendezvous port of the current group
         self.quarantine = Quarantine(base_s=max(cfg.timeout_s, 10.0))
 
@@ -205,9 +207,9 @@ class WeightBroadcaster:
                 continue
             now = time.monotonic()
             if isinstance(msg, SyncJoin) and msg.leaving:
-                if self.members.pop(msg.generator_id, None) is not None:
+                if msg.generator_id in self.members:
                     log.info("generator %s stops: leaves the weight sync", msg.generator_id)
-                self.quarantine.clear(msg.generator_id)
+                self._forget_member(msg.generator_id)
             elif isinstance(msg, SyncJoin):
                 if msg.generator_id not in self.members:
                     log.info(
@@ -238,6 +240,15 @@ class WeightBroadcaster:
                         member.version = msg.version
                         member.needs_weights = False
 
+    def _forget_member(self, gen_id: str) -> None:
+        """A generator left (it said so, or went silent). A process that joins later under its id
+        joins afresh, and holds none of the group this one was in: were the group kept, the next
+        sync would see the same membership and broadcast on it, to ranks that are gone."""
+        self.members.pop(gen_id, None)
+        self.quarantine.clear(gen_id)  # (a generator gone for good leaves no record behind)
+        if gen_id in self.group_workers:
+            self._left_group.add(gen_id)
+
     def last_ack(self, generator_id: str) -> WeightsAck | None:
         """The latest WeightsAck from a generator since the last sync started."""
         return self._acks.get(generator_id)
@@ -246,8 +257,7 @@ class WeightBroadcaster:
         now = time.monotonic()
         for gen_id in [g for g, m in self.members.items() if now - m.last_seen > self.cfg.member_timeout_s]:
             log.warning("generator %s silent for %.0fs: leaves the weight sync", gen_id, self.cfg.member_timeout_s)
-            del self.members[gen_id]
-            self.quarantine.clear(gen_id)  # (a generator gone for good leaves no record behind)
+            self._forget_member(gen_id)
         self.quarantine.forget_gone(set(self.members), now)
         return {
             g: m
@@ -297,14 +307,15 @@ class WeightBroadcaster:
         report.buckets, report.nbytes = len(buckets), sum(b.nbytes for b in buckets)
         store = None
         # The group is built again when its members or their worker counts changed, or when a
-        # member's process was replaced since it was built (restarted, or a spare under its id):
-        # the new process holds none of the old group.
+        # member's process was replaced since it was built (restarted, or a spare under its id),
+        # or left the sync and joined again: the new process holds none of the old group.
         workers = {gen_id: members[gen_id].workers for gen_id in sorted(members)}
-        replaced = self._restarted & set(self.group_workers)
+        replaced = (self._restarted | self._left_group) & set(self.group_workers)
         if self.group is None or workers != self.group_workers or replaced:
             self._close_group()
             self.epoch += 1
             self.group_workers = workers
+            self._left_group.clear()
             store = host_store(self.cfg.host, self.cfg.timeout_s)
             report.rebuilt_group = True
         report.members = sorted(self.group_workers)

@@ -293,3 +293,36 @@ def test_a_generator_that_stops_after_a_sync_named_it_does_not_cost_that_sync_it
         member.kill()
         member.wait(timeout=10)
         wb.close()
+
+
+def test_a_generator_back_after_it_left_the_sync_gets_a_group_of_its_own() -> None:
+    """A generator silent past member_timeout_s leaves the sync; a new process under its id (its
+    restart took longer) then joins as a newcomer, not as a restart, and the membership of the
+    next sync equals that of the group: the group was reused, the broadcast went to the gone
+    process's ranks and the new one failed to join (the whole sync lost, every member evicted)."""
+    cfg = SyncConfig(announce_port=free_port(), join_port=free_port(), timeout_s=8, member_timeout_s=2)
+    ports = (cfg.announce_port, cfg.join_port)
+    wb = WeightBroadcaster(cfg)
+    tensors = {"w": torch.ones(1000), "b": torch.full((10,), 2.0)}
+    members = [start_member(ports, "gen0")]
+    try:
+        assert wb.wait_for_members(1, timeout_s=30)
+        assert wb.sync(1, tensors.items()).acked == ["gen0"]
+        members[0].kill()
+        members[0].wait(timeout=10)
+
+        def left() -> bool:
+            wb.poll(50)
+            return "gen0" not in wb.live_members() and "gen0" not in wb.members
+
+        wait_until(left, 15, "gen0 out of the sync for its silence")
+        members.append(start_member(ports, "gen0"))
+        assert wb.wait_for_members(1, timeout_s=30)
+        second = wb.sync(2, tensors.items())
+        assert second.acked == ["gen0"] and second.rebuilt_group and not second.evicted, second
+        assert members[1].stdout is not None and members[1].stdout.readline().split() == ["loaded", "2", "1020"]
+    finally:
+        for member in members:
+            member.kill()
+            member.wait(timeout=10)
+        wb.close()
