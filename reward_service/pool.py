@@ -96,6 +96,9 @@ class WorkerPool:
     def submit(self, worker: Worker, items: list[Item]) -> bool:
         """Hand ``items`` to an idle worker; False if it died while idle (``collect`` replaces it,
         and the items are the caller's to hand to another)."""
+        if not worker.proc.is_alive():  # (collect replaces it; a send could block: see there)
+            log.warning("reward worker %d is gone: its batch goes to another", worker.index)
+            return False
         try:
             worker.conn.send((worker.batch_seq + 1, items))
         except OSError as err:  # BrokenPipeError: killed (the OOM killer) since it last answered
@@ -128,10 +131,13 @@ class WorkerPool:
                         break
             except (EOFError, OSError):
                 w.proc.join(timeout=1)  # (its exit code is known once it is reaped)
-                if not w.ready:
-                    start_failure = f"exited with code {w.proc.exitcode} before it was ready"
-                else:
-                    failure = f"crash: worker exited with code {w.proc.exitcode}"
+                start_failure, failure = self._exit_reason(w)
+            if failure is None and start_failure is None and not w.proc.is_alive():
+                # Dead without an end-of-file on its pipe: a child its reward function forked
+                # still holds the pipe open. Seen only by the timeout of a batch sent to it, or
+                # never while it is idle (and a batch larger than the pipe's buffer blocked this
+                # loop in the send).
+                start_failure, failure = self._exit_reason(w)
             if failure is None and w.busy and now - w.sent_at > self.timeout_s:
                 failure = f"timeout: no answer within reward.timeout_s = {self.timeout_s:g}s"
             if start_failure is None and not w.ready and now - w.started_at > self.start_timeout_s:
@@ -146,6 +152,13 @@ class WorkerPool:
                 self.workers[i] = self._spawn(w.index, replacement=True)
                 self.restarts += 1
         return results
+
+    @staticmethod
+    def _exit_reason(w: Worker) -> tuple[str | None, str | None]:
+        """(start failure, failure) of a worker that exited."""
+        if not w.ready:
+            return f"exited with code {w.proc.exitcode} before it was ready", None
+        return None, f"crash: worker exited with code {w.proc.exitcode}"
 
     def _start_failed(self, i: int, w: Worker, why: str) -> None:
         """A worker that could not start (it holds no batch: none is sent before it is ready). A

@@ -114,6 +114,15 @@ def forks_a_stray_child(prompts: list[str], completions: list[str], metadata: li
     return [float(len(ids)) for ids in kwargs["completion_ids"]]
 
 
+def forks_a_lingering_child(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
+    """Forks a child that outlives the batch (a pool or a server a sandbox keeps), holding every
+    descriptor of the worker's, its end of the service's pipe among them."""
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+    return [float(len(ids)) for ids in kwargs["completion_ids"]]
+
+
 def _exit_zero() -> None:
     os._exit(0)
 

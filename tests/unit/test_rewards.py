@@ -503,6 +503,31 @@ def test_a_child_a_function_forks_never_answers_for_the_worker(tok: str) -> None
         pool.close()
 
 
+def test_a_worker_that_died_idle_is_replaced_though_a_child_holds_its_pipe(tok: str) -> None:
+    """A worker killed between batches (the OOM killer) whose reward function had forked a child
+    that still lives: the child holds the worker's end of the pipe, so no end-of-file said the
+    worker was gone. It stayed idle and ready; the next batch was sent to it and waited out
+    reward.timeout_s (a batch larger than the pipe's buffer blocked the service's loop for
+    good). A dead worker is now seen as one."""
+    import os
+    import signal
+
+    from reward_service.pool import WorkerPool
+
+    pool = WorkerPool(1, [FunctionSpec("tests.integration.reward_fns:forks_a_lingering_child", 1.0, {})], tok, {}, 60)
+    try:
+        assert [[o.reward for o in r] for r in run_batches(pool, [items([4])])] == [[4.0]]
+        os.kill(pool.workers[0].proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while pool.restarts == 0:
+            assert pool.collect() == [], "an idle worker held no batch"
+            assert time.monotonic() < deadline, "the dead worker was not replaced"
+            time.sleep(0.05)
+        assert [[o.reward for o in r] for r in run_batches(pool, [items([6])])] == [[6.0]]
+    finally:
+        pool.close()
+
+
 def run_batches(pool: Any, batches: list[list[Item]]) -> list[Any]:
     """Each batch through the pool's one worker in turn; what came back for each."""
     deadline = time.monotonic() + 120
