@@ -789,6 +789,8 @@ class Hub:
         pipe = self.redis.pipeline(transaction=False)
         self._read_learner_state(pipe)
         self._note_learner_state(*pipe.execute())
+        # (else an idle hub, whose turns write nothing, read Redis every tick, not every REFRESH_S)
+        self._refreshed = time.monotonic()
 
     def _read_learner_state(self, pipe: TurnWrite | redis.client.Pipeline) -> None:
         """Queue the reads ``_note_learner_state`` takes, in its argument order."""

@@ -322,6 +322,8 @@ class HubLink:
                 inbox.revoked.extend(self.lease_ids)
                 self.lease_ids.clear()
                 self.register(self.weight_version)
+                if self.draining:  # a Register says nothing of it: the hub would lease to us again
+                    self.heartbeat(force=True)
 
     def _stale(self, again: RegisterAgain) -> bool:
         """A RegisterAgain answering a heartbeat sent before our last Register: the hub knows us

@@ -234,9 +234,13 @@ class GeneratorService:
         now = time.monotonic()
         deadline, heard_enough = now + 5.0, now + LATE_LEASES_S
         while (self.link.unacked or time.monotonic() < heard_enough) and time.monotonic() < deadline:
-            late = self.link.poll(20).leases
+            late = self.link.poll(0).leases
             self.link.release([lease.lease_id for lease in late])
             self.link.resend_due()
+            # waited here, not in the socket's poll: the cancelled requests' tasks run meanwhile
+            # and abort them in the engine, which would otherwise go on generating released work
+            # until it is shut down
+            await asyncio.sleep(0.02)
         log.info(
             "stopped: %d tokens generated, %d chunks unacknowledged", self.tokens_generated, len(self.link.unacked)
         )

@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import redis
 import zmq
 
 from flywheel.hub_client import BatchClient
@@ -234,6 +235,30 @@ def test_a_register_again_answering_a_heartbeat_sent_before_the_last_register_is
     wait_until(lambda: metrics(cluster).get("flywheel_hub_generator_registrations_total", 0) == 2, 10, "2 Registers")
     time.sleep(0.5)
     assert metrics(cluster).get("flywheel_hub_generator_registrations_total", 0) == 2
+    g.close()
+
+
+def test_a_draining_generator_told_to_register_again_gets_no_new_lease(cluster: Cluster) -> None:
+    """A generator stopping (drained) that the hub counted as gone meanwhile, or that a restarted
+    hub no longer knows, is told to register again. A Register says nothing of the draining, so the
+    hub took it for a fresh generator and leased to it, each lease sent straight back (or held
+    until the lease timed out, once the generator was gone). Its draining heartbeat now follows
+    the Register."""
+    cluster.start_hub("--hub.generator_timeout_s", "1", "--async.groups_per_step", "1")
+    g = HandGenerator(cluster.gen_address, "gen-stopping", capacity=1)
+    g.register()
+    g.wait_lease()
+    g.link.drain()  # stopping: it finishes (here: gives back) what it holds and wants no more
+    g.link.release(sorted(g.link.lease_ids))
+    g.pump(0.3)
+    # silent past the timeout: gone, as a drained generator leaves (a hub restart forgets it alike)
+    wait_until(lambda: metrics(cluster).get("flywheel_hub_generators_departed_total", 0) == 1, 15, "its departure")
+    held = len(g.leases)
+    g.link.heartbeat(force=True)  # answered by a RegisterAgain
+    g.pump(1.0)
+    assert metrics(cluster).get("flywheel_hub_generator_registrations_total", 0) == 2, "it never registered again"
+    g.pump(2.0)
+    assert len(g.leases) == held, "the hub leased to a generator that is stopping"
     g.close()
 
 
@@ -521,3 +546,16 @@ def test_a_generator_that_fails_gives_its_leases_back_at_once(cluster: Cluster) 
         asyncio.run(service.run())
     wait_until(lambda: metrics(cluster)["flywheel_hub_leases_released_total"] == 2, 10, "both leases given back")
     g.close()
+
+
+def test_an_idle_hub_reads_redis_every_refresh_period(cluster: Cluster) -> None:
+    """With nothing to do, the hub still follows the learner's version (and its drops) in Redis,
+    every REFRESH_S (50 ms). It did so every tick (5 ms): the refresh never noted that it had
+    run, so an idle hub sent Redis about 850 commands a second (now about 95)."""
+    cluster.start_hub()
+    r = redis.Redis.from_url(cluster.redis.url)
+    time.sleep(3.0)  # started, its first turns done
+    before = r.info("stats")["total_commands_processed"]
+    time.sleep(2.0)
+    per_s = (r.info("stats")["total_commands_processed"] - before - 1) / 2.0  # (less this INFO)
+    assert per_s < 250, f"an idle hub sent Redis {per_s:.0f} commands a second"
