@@ -120,13 +120,40 @@ class Service:
         # to an unrelated process: the group is never signalled again.
         if self._group_killed:
             return
+        # While it lives, what it started is found below it even outside its group: the reward
+        # service's workers lead groups of their own, and what their functions start (a sandbox,
+        # setsid) may too. Once it is dead they are orphans, found by nobody.
+        strays = descendants(self.proc.pid) if self.proc.poll() is None else []
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in strays:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         self._group_killed = self.proc.poll() is not None
 
     def tail(self, n: int = 30) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux: read from /proc; elsewhere none)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])  # after the name, which may hold spaces
+                children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def die_with_parent() -> None:

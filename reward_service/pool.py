@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from flywheel.procs import descendants
 from reward_service.scoring import FunctionSpec, Item, Outcome, Scorer
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class WorkerPool:
         # they are no longer its descendants; those that left the group (setsid) are found
         # below it while it lives.
         if w.proc.is_alive():
-            for pid in _descendants(w.proc.pid):
+            for pid in descendants(w.proc.pid):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -199,26 +200,6 @@ class WorkerPool:
         for w in self.workers:
             w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
             self._kill(w)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Linux: read from /proc; elsewhere none)."""
-    children: dict[int, list[int]] = {}
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-                ppid = int(stat.rsplit(")", 1)[1].split()[1])  # after the name, which may hold spaces
-                children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _worker_main(conn: Connection, specs: list[FunctionSpec], tokenizer: str | None, context: dict[str, Any]) -> None:

@@ -152,3 +152,16 @@ def starts_a_process_then_crashes(
     subprocess.Popen(["sleep", ORPHAN_MARKER])
     os.kill(os.getpid(), signal.SIGKILL)
     return [1.0] * len(completions)
+
+
+SESSION_MARKER = "9873"  # the seconds of the sleep a reward function starts in a session of its own
+_session_sleeper_started = False
+
+
+def starts_a_session_sleeper(prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], **kwargs: Any):
+    """Starts a process of its own session (a sandbox that isolates what it runs), once a worker."""
+    global _session_sleeper_started
+    if not _session_sleeper_started:
+        _session_sleeper_started = True
+        subprocess.Popen(["sleep", SESSION_MARKER], start_new_session=True)
+    return [float(len(ids)) for ids in kwargs["completion_ids"]]

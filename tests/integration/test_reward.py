@@ -549,3 +549,26 @@ def test_rewards_that_fail_on_every_group_are_said_loudly(cluster: Cluster) -> N
     assert "every group scored so far (8) failed its rewards, first error: exception: arithmetic: ValueError" in log
     assert "metadata has no 'answer'" in log and "check reward.functions" in log
     assert log.count("every group scored so far") == 1  # said once
+
+
+def test_what_reward_functions_started_goes_with_a_killed_service(cluster: Cluster) -> None:
+    """The launcher kills a service that did not stop in time with its process group; the reward
+    service's workers lead groups of their own, and a process a reward function starts in a
+    session of its own (a sandbox) is in neither. The workers died with the service (they ask
+    for it), what they had started ran on. The launcher now kills everything below the service."""
+    import psutil
+
+    from tests.integration.reward_fns import SESSION_MARKER
+
+    def sleepers() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", SESSION_MARKER]]
+
+    start_hub_and_generator(cluster)
+    svc = cluster.start_reward("--reward.functions", f"{FNS}:starts_a_session_sleeper")
+    try:
+        wait_until(lambda: len(sleepers()) == 1, 120, "the reward function's sleeper started")
+        svc.kill9()
+        wait_until(lambda: not sleepers(), 10, "the sleeper gone with the service")
+    finally:
+        for p in sleepers():
+            p.kill()
