@@ -416,10 +416,14 @@ class Trainer:
         )
 
     def _last_step(self, total: int) -> int:
-        """``total``, or sooner when ``flywheel finish`` asked (read before every step: every
-        rank reads the same answer for the same step, see ``flywheel.store.FINISH_SCRIPT``)."""
+        """``total``, or sooner when ``flywheel finish`` asked (read before every step). A request
+        lands far enough ahead for every rank to read it at the same step
+        (``flywheel.store.FINISH_SCRIPT``), but a ``--cancel`` is a plain delete: landing between
+        two ranks' reads, it would end one rank's training while the other trained on, each in
+        a different collective. So the ranks take the earliest step any of them read."""
         finish = self.client.finish_step()
-        if finish is None or finish >= total:
+        finish = -self._agree_max(-(total if finish is None else finish))
+        if finish >= total:
             return total
         log.info(
             "a finish was requested: training ends at step %d instead of %d (`flywheel finish --cancel` forgets it)",
