@@ -407,10 +407,11 @@ class ClaimsAhead:
                         f"the batch claimed ahead for v{version} is not ready after {wait_s:.1f}s"
                     ) from None
             except BaseException:
-                pass  # the claim failed: raised below
-            self._ahead = None
+                if not future.done():  # the wait was interrupted (Ctrl-C), not the claim: kept
+                    raise
+            self._ahead = None  # done: its batch, or its failure (the next call claims afresh)
             failure = future.exception()
-            if failure is not None:  # the next call claims afresh
+            if failure is not None:
                 raise failure
             return future.result()
         return self.client.claim(self.n_groups, version, wait_s)

@@ -117,6 +117,16 @@ def test_a_claim_made_ahead_that_gave_up_is_made_again() -> None:
     assert claims._ahead is None
     assert claims.claim(3, wait_s=0.01) is batch and claimed == [3]
 
+    class Interrupted(Future):  # type: ignore[type-arg]
+        def result(self, timeout: float | None = None) -> Batch:
+            raise KeyboardInterrupt  # Ctrl-C while the learner waits for the claim
+
+    pending = Interrupted()
+    claims._ahead = (4, pending)
+    with pytest.raises(KeyboardInterrupt):  # at once: not a wait for the claim to end
+        claims.claim(4, wait_s=60)
+    assert claims._ahead == (4, pending)  # still the learner's, the claim going on
+
 
 def test_a_learner_out_of_data_trains_the_batch_it_claimed_ahead() -> None:
     """A step whose groups were all filtered out leaves the claim made ahead for v+1 waiting,
