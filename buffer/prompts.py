@@ -225,6 +225,16 @@ def load_tokenizer(path: str) -> Any:
 
 
 def _scalar(value: Any) -> str | int | float | bool | None:
-    if value is None or isinstance(value, str | int | float | bool):
+    """A metadata value as the hub stores it (msgpack) and the reward functions get it: scalars as
+    they are, anything else as its JSON text. What msgpack or JSON cannot hold (a parquet decimal
+    or date, an integer past 64 bits: a factorial's answer) as its text, not a crash: raised
+    here, it stopped the hub at that row, and at the same row after every restart."""
+    if isinstance(value, np.generic):  # a numpy scalar (a parquet or HF datasets column)
+        value = value.item()
+    if value is None or isinstance(value, str | float | bool):
         return value
-    return json.dumps(value)
+    if isinstance(value, int):
+        return value if -(1 << 63) <= value < (1 << 64) else str(value)
+    if isinstance(value, list | tuple | dict):
+        return json.dumps(value, default=str)
+    return str(value)

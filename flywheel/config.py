@@ -29,6 +29,14 @@ class _Section(BaseModel):
         # pydantic's lax mode reads True as 1: `--async.max_staleness true` would run at 1
         if isinstance(value, bool) and info.field_name and _is_numeric(cls.model_fields[info.field_name].annotation):
             raise ValueError(f"a number is wanted here, not the boolean {str(value).lower()}")
+        if isinstance(value, bool) and info.field_name:
+            # a recipe's `appendfsync: no`: YAML 1.1 reads no/off and yes/on as booleans, so back
+            # to the word the recipe wrote, where the field takes it
+            allowed = typing.get_args(cls.model_fields[info.field_name].annotation)
+            if _string_literal(cls.model_fields[info.field_name].annotation):
+                for word in ("yes", "on", "true") if value else ("no", "off", "false"):
+                    if word in allowed:
+                        return word
         return value
 
 
@@ -1151,7 +1159,9 @@ def _flag_value(key: str, value: str) -> Any:
     if value == "":
         return ""
     string, optional = _string_fields().get(key, (False, False))
-    if string and not (optional and value in ("null", "~", "None")):
+    if string and optional and value in ("null", "~", "None"):
+        return None  # (YAML reads "None" as the string "None": a directory named None)
+    if string:
         return value
     try:
         return yaml.safe_load(value)
@@ -1169,7 +1179,7 @@ def _string_fields() -> dict[str, tuple[bool, bool]]:
             key, ann = f"{prefix}{field.alias or name}", field.annotation
             if isinstance(ann, type) and issubclass(ann, BaseModel):
                 walk(ann, key + ".")
-            elif ann is str:
+            elif ann is str or _string_literal(ann):
                 out[key] = (True, False)
             elif typing.get_origin(ann) in (typing.Union, types.UnionType) and set(typing.get_args(ann)) == {
                 str,
@@ -1179,6 +1189,11 @@ def _string_fields() -> dict[str, tuple[bool, bool]]:
 
     walk(FlywheelConfig, "")
     return out
+
+
+def _string_literal(ann: Any) -> bool:
+    """A Literal of strings: YAML 1.1 reads some of them as something else (``no`` is False)."""
+    return typing.get_origin(ann) is Literal and all(isinstance(a, str) for a in typing.get_args(ann))
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -253,6 +253,19 @@ def test_string_flags_stay_strings_and_bad_yaml_names_where(tmp_path: Path) -> N
         load_config(["--config", str(recipe)])
 
 
+def test_none_is_null_and_yaml_booleans_are_words_where_the_field_takes_words(tmp_path: Path) -> None:
+    """`--train.checkpoint_dir None` was the string "None" (checkpoints went to ./None), and
+    `redis.appendfsync no`, a documented value, was refused as the boolean False, from a flag
+    and from a recipe alike (YAML 1.1 reads no, off, yes, on as booleans)."""
+    cfg = load_config(["--train.checkpoint_dir", "None", "--data.tokenizer", "~", "--redis.appendfsync", "no"])
+    assert (cfg.train.checkpoint_dir, cfg.data.tokenizer, cfg.redis.appendfsync) == (None, None, "no")
+    recipe = tmp_path / "fsync.yaml"
+    recipe.write_text("redis:\n  appendfsync: no\n")
+    assert load_config(["--config", str(recipe)]).redis.appendfsync == "no"
+    with pytest.raises(ConfigError, match="appendfsync"):  # a boolean a string field does not take
+        load_config(["--redis.appendfsync", "off"])
+
+
 def test_gspo_with_a_length_weighted_aggregation_is_refused() -> None:
     """ratio_level sequence with token_mean weighed each sequence's gradient by its length, which
     GSPO's length normalisation is there to prevent."""

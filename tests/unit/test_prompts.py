@@ -186,3 +186,37 @@ def test_a_row_the_chat_template_refuses_is_skipped_and_counted_not_raised(tmp_p
     nulls.write_text('{"prompt": "What is 1 + 1?"}\n{"prompt": null}\n')
     with pytest.raises(ValueError, match="1 of 2 rows lack data.input_key 'prompt' or hold null there"):
         load_rows(DataConfig(path=str(nulls), tokenizer=str(tokenizer_dir)))
+
+
+def test_metadata_msgpack_cannot_hold_is_kept_as_text() -> None:
+    """A math answer past 64 bits (25!), a parquet decimal or date: the hub raised at that row
+    (msgpack's OverflowError, json's TypeError), outside any handler, and at the same row after
+    every restart, until the launcher gave up. Now they are kept as their text."""
+    import datetime
+    import decimal
+
+    import msgspec
+    import numpy as np
+
+    from buffer.prompts import _scalar
+
+    values = {
+        "big": 15511210043330985984000000,
+        "decimal": decimal.Decimal("1.50"),
+        "date": datetime.date(2026, 12, 3),
+        "nested": {"a": [1, decimal.Decimal("2")]},
+        "np": np.int64(7),
+        "small": -3,
+        "none": None,
+    }
+    kept = {k: _scalar(v) for k, v in values.items()}
+    assert kept == {
+        "big": "15511210043330985984000000",
+        "decimal": "1.50",
+        "date": "2026-12-03",
+        "nested": '{"a": [1, "2"]}',
+        "np": 7,
+        "small": -3,
+        "none": None,
+    }
+    msgspec.msgpack.encode(kept)  # as the hub stores it
