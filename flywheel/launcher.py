@@ -228,6 +228,27 @@ def set_aside(run_dir: Path) -> Path | None:
     return run_dir.rename(run_dir.with_name(f"{run_dir.name}.{n}"))
 
 
+REDIS_FILES = ("appendonlydir", "appendonly.aof", "dump.rdb")  # what a redis-server leaves in its --dir
+
+
+def set_aside_redis_dir(where: Path) -> Path | None:
+    """A fresh run's private Redis in ``redis.dir`` (outside the run's directory, which
+    ``set_aside`` moves): what an earlier run left there goes to ``where.1``, ``.2``, ... Kept, its
+    AOF would be reloaded, and the hub recovers that run's state (versions, leases, counters)
+    under the same run name while the learner starts at v0. A directory of other files is refused."""
+    if not where.is_dir() or not any(where.iterdir()):
+        return None
+    if not any((where / name).exists() for name in REDIS_FILES):
+        raise ValueError(
+            f"redis.dir {where} holds files that are not Redis's, and a new run would move them aside: pick "
+            "another redis.dir, or an empty directory"
+        )
+    n = 1
+    while where.with_name(f"{where.name}.{n}").exists():
+        n += 1
+    return where.rename(where.with_name(f"{where.name}.{n}"))
+
+
 class LocalLaunch:
     def __init__(self, cfg: FlywheelConfig, console: Console | None = None) -> None:
         self.cfg = cfg
@@ -238,6 +259,10 @@ class LocalLaunch:
         moved = set_aside(self.run_dir) if not cfg.train.resume else None
         if moved is not None:
             self.console.print(f"the previous run in {self.run_dir} was moved to {moved}")
+        if cfg.redis.dir and not cfg.redis.url and not cfg.train.resume:
+            moved = set_aside_redis_dir(Path(cfg.redis.dir).resolve())
+            if moved is not None:
+                self.console.print(f"the previous run's Redis data in {cfg.redis.dir} was moved to {moved}")
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.services: list[ServiceHandle] = []

@@ -44,6 +44,33 @@ def test_a_new_run_sets_the_previous_one_aside(tmp_path: Path) -> None:
     assert json.loads((run_dir / "services.json").read_text())["launcher_pid"] == os.getpid()
 
 
+def test_a_new_run_sets_aside_what_an_earlier_one_left_in_redis_dir(tmp_path: Path) -> None:
+    """With redis.dir outside the run's directory, a fresh run's Redis reloaded the earlier run's
+    AOF: the hub recovered that run's versions, leases and counters under the same run name while
+    the learner started at v0. Now that data moves to <redis.dir>.1 (real redis-server)."""
+    from flywheel.redis_server import RedisServer
+    from flywheel.store import RunKeys
+
+    data = tmp_path / "redis-data"
+    old = RedisServer(data)
+    old.client().set(RunKeys("flywheel").version, 41)
+    old.stop()
+    flags = ["--launch.run_dir", str(tmp_path / "run"), "--redis.dir", str(data)]
+    LocalLaunch(load_config([*flags, "--train.resume", "true"]))  # resuming: the data is the run's
+    assert not (tmp_path / "redis-data.1").exists()
+    LocalLaunch(load_config(flags))
+    assert (tmp_path / "redis-data.1").is_dir()
+    fresh = RedisServer(data)
+    try:
+        assert fresh.client().get(RunKeys("flywheel").version) is None
+    finally:
+        fresh.stop()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not Redis's"):  # a directory of other files is not moved
+        LocalLaunch(load_config(["--launch.run_dir", str(tmp_path / "run2"), "--redis.dir", str(tmp_path / "notes")]))
+
+
 def test_only_a_finished_run_is_set_aside(tmp_path: Path) -> None:
     """`--run.name ..` (or `--launch.run_dir .`) moved the directory the user ran from; a second
     `flywheel run` under a running one's name moved the live run away under it (its restarted
