@@ -131,7 +131,13 @@ class LearnerPace:
             self.step_s = (s.t - self.moved_at) / (s.learner_version - self.version)
             self.version, self.moved_at = s.learner_version, s.t
             return False
-        return s.t - self.moved_at > max(2 * (self.step_s or 0.0), 2 * self.interval_s)
+        if self.step_s is None:
+            # No step since it was first seen: loading, or restarted. (It waited for two of the
+            # autoscaler's intervals first, and the autoscaler decides after one: at a run's
+            # start, the fleet filling the staleness bound before the learner's first step
+            # lost a generator, grown back one vLLM start later.)
+            return True
+        return s.t - self.moved_at > max(2 * self.step_s, 2 * self.interval_s)
 
 
 class Autoscaler:
