@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     hub = Hub(cfg, source, client)
     recovery.load(hub)
+    changed = recovery.prompt_order_changed(hub)
+    if changed is not None:
+        print(f"flywheel-buffer: {changed}", file=sys.stderr)
+        return 2
     client.hset(hub.keys.settings, mapping=shared_settings(cfg))  # what the run's learners must agree with
     hub.start_metrics()
     hub.write_state_file()

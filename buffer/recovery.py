@@ -165,6 +165,31 @@ def _keep_lease_chunks(sample: SampleAssembly, lease_id: int) -> None:
         sample.tokens = sum(len(c.tokens) >> 2 for c in sample.chunks.values())
 
 
+def prompt_order_changed(hub: Hub) -> str | None:
+    """Why the run's prompt position no longer means what it did, or None (and then the order it
+    counts in is recorded, for the next hub). The position (epoch, cursor) counts rows of an
+    order that the data and ``data.seed`` / ``data.shuffle`` make: a restart with other data, or
+    another seed, went on from the same cursor in another order, repeating some prompts and
+    skipping others in silence, and one with fewer rows than the cursor crashed at every
+    restart. A run that has issued nothing yet may change them."""
+    cfg = hub.cfg.data
+    now = {"order_rows": len(hub.source), "order_seed": cfg.seed, "order_shuffle": int(cfg.shuffle)}
+    raw = hub.redis.hgetall(hub.keys.source)
+    was = {key.decode(): int(v) for key, v in raw.items() if key.decode() in now}
+    began = hub.epoch > 0 or hub.cursor > 0 or hub.groups_issued > 0
+    if began and was and was != now:
+        names = {"order_rows": "rows", "order_seed": "data.seed", "order_shuffle": "data.shuffle"}
+        diff = ", ".join(f"{names[k]} {was.get(k)} -> {now[k]}" for k in now if was.get(k) != now[k])
+        return (
+            f"the prompts of run {hub.cfg.run.name!r} changed since it began ({diff}): its position (epoch "
+            f"{hub.epoch}, row {hub.cursor} of that epoch's order) would repeat some prompts and skip others. "
+            "Resume with the data and data.seed / data.shuffle it began with, or start a new run (another "
+            "--run.name; `flywheel run` without train.resume sets the old one aside)"
+        )
+    hub.redis.hset(hub.keys.source, mapping=now)
+    return None
+
+
 def _requeued(entry: bytes) -> tuple[int, int]:
     """A re-queued prompt's (index, attempt), from ``INDEX:ATTEMPT`` (a bare index: attempt 1)."""
     index, _, attempt = entry.partition(b":")

@@ -278,3 +278,22 @@ def test_an_open_group_redis_lost_is_counted_as_dropped_not_held_for_good(cluste
     counters = {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()}
     assert counters["groups_dropped"] == 1 and counters["groups_lost_in_redis"] == 1
     again.close()
+
+
+def test_a_hub_restarted_on_other_prompts_refuses_to_go_on(cluster: Cluster) -> None:
+    """The run's prompt position (epoch, cursor) counts rows of the order the data and data.seed
+    make. A hub restarted with another seed (or other data) went on from the same cursor in
+    another order, repeating some prompts and skipping others in silence; one with fewer rows
+    than the cursor crashed at every restart. Now it refuses, naming what changed (exit 2: the
+    launcher does not restart a refused configuration); the same prompts go on."""
+    import pytest
+
+    cluster.start_hub()
+    g = HandGenerator(cluster.gen_address, "g0")
+    g.register()
+    g.wait_lease()  # a group issued: the run began
+    g.close()
+    cluster.hub.stop()
+    with pytest.raises(RuntimeError, match=r"exited \(2\)[\s\S]*changed since it began \(data.seed 0 -> 1\)"):
+        cluster.start_hub("--data.seed", "1")
+    cluster.start_hub()  # the prompts it began with: on it goes
