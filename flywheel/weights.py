@@ -216,10 +216,22 @@ class WeightGroup:
     ipc_generation: int = 0  # ipc: of rank 0's two buffers (rank 0: made; receivers: opened)
     ipc_opened: list[torch.Tensor] = field(default_factory=list)  # ipc receivers: rank 0's buffers, kept open
 
+    def time_left_s(self) -> float:
+        """What one broadcast may take now: ``op_timeout_s``, and never past the sync's deadline."""
+        if self.deadline is None:
+            return self.op_timeout_s
+        return max(0.1, min(self.op_timeout_s, self.deadline - time.time()))
+
     def start(self, buf: torch.Tensor) -> Any:
         """Post a broadcast from rank 0 into ``buf``; returns the work to ``finish``."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        # The backend's own timeout, from this sync's time: the group's is the time that was left
+        # when it was built, which every later sync on it kept (gloo gave up a bucket that came
+        # later than that, failing the whole sync). NCCL's watchdog, which tears the process
+        # down, stays behind ``finish``'s poll, which aborts the group first.
+        grace = NCCL_WATCHDOG_GRACE_S if self.transport == "nccl" else 0.0
+        opts.timeout = timedelta(seconds=self.time_left_s() + grace)
         try:
             if self.connected:
                 return self.pg.broadcast([buf], opts)
@@ -247,11 +259,12 @@ class WeightGroup:
 
         poster = threading.Thread(target=post, name="weights-first-broadcast", daemon=True)
         poster.start()
-        poster.join(self.op_timeout_s)
+        waited_s = self.time_left_s()  # (not past the sync's deadline: the join took some of it)
+        poster.join(waited_s)
         if poster.is_alive():
             self.close()
             raise WeightSyncError(
-                f"the group's links were not up within {self.op_timeout_s:g}s (rank {self.rank}/{self.world_size}): "
+                f"the group's links were not up within {waited_s:g}s (rank {self.rank}/{self.world_size}): "
                 "a rank that joined never came to the first broadcast; the group is given up"
             )
         if "error" in posted:
@@ -267,9 +280,7 @@ class WeightGroup:
         process down. So completion is polled here, and past the timeout the group is aborted (a
         generator acks the error and rejoins; the learner evicts). Gloo's own timeout ends its
         operations; the poll changes nothing there."""
-        timeout_s = self.op_timeout_s
-        if self.deadline is not None:
-            timeout_s = max(0.1, min(timeout_s, self.deadline - time.time()))
+        timeout_s = self.time_left_s()
         deadline = time.monotonic() + timeout_s
         while not work.is_completed():
             if time.monotonic() > deadline:
@@ -553,9 +564,10 @@ def send(group: WeightGroup, buckets: list[BucketLayout], tensors: dict[str, tor
         return None
 
     # the two packing buffers: as large as the largest bucket packed, not the largest tensor
-    packed = max((b.nbytes for b in buckets if as_it_is(b) is None), default=0)
-    if packed and (not group.send_buffers or group.send_buffers[0].numel() < packed):
-        group.send_buffers = [torch.empty(packed, dtype=torch.uint8, device=group.device) for _ in range(2)]
+    packed = max((b.nbytes for b in buckets if as_it_is(b) is None), default=-1)
+    # (-1: none is packed; 0: only buckets of empty tensors are, which still need a buffer)
+    if packed >= 0 and (not group.send_buffers or group.send_buffers[0].numel() < max(packed, 1)):
+        group.send_buffers = [torch.empty(max(packed, 1), dtype=torch.uint8, device=group.device) for _ in range(2)]
     in_flight: tuple[torch.Tensor, Any] | None = None  # the buffer must outlive its work
     for i, layout in enumerate(buckets):
         buf = as_it_is(layout)

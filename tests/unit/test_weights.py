@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import threading
@@ -191,6 +192,73 @@ def test_no_broadcast_waits_past_the_syncs_deadline(left_s: float) -> None:
     assert time.monotonic() - start < 3
 
 
+def test_a_group_reused_by_a_later_sync_waits_by_that_syncs_deadline() -> None:
+    """A receiver that joined its gloo group with 1 s of its sync left kept that 1 s as gloo's
+    timeout for the group's life: at a later sync on the same group, a bucket that came 2 s in
+    (another generator slow to pause) timed out on it, and the whole sync failed. Each broadcast
+    now takes the time its own sync has left."""
+    import threading
+
+    store = host_store("127.0.0.1", 30)
+    got: dict[str, Any] = {}
+    receiver: list[Any] = []
+    joined = threading.Event()
+
+    def late_joiner() -> None:
+        receiver.append(join_group("gloo", "127.0.0.1", store.port, 1, 2, 6, timeout_s=1.0))
+        joined.set()
+
+    threading.Thread(target=late_joiner, daemon=True).start()
+    group = join_group("gloo", "127.0.0.1", store.port, 0, 2, 6, timeout_s=30, store=store)
+    assert joined.wait(30)
+    peer = receiver[0]
+    peer.op_timeout_s, peer.deadline = 20.0, time.time() + 20  # the later sync's, as worker_ext sets them
+
+    def take() -> None:
+        buf = torch.zeros(16, dtype=torch.uint8)
+        try:
+            peer.broadcast(buf)
+            got["value"] = int(buf.sum())
+        except WeightSyncError as err:
+            got["error"] = str(err)
+
+    taking = threading.Thread(target=take, daemon=True)
+    taking.start()
+    time.sleep(2.0)  # the bucket comes late, well inside this sync's 20 s
+    with contextlib.suppress(WeightSyncError):  # (the receiver's failure shows below)
+        group.broadcast(torch.ones(16, dtype=torch.uint8))
+    taking.join(30)
+    assert got == {"value": 16}, got
+
+
+def test_a_bucket_of_empty_tensors_alone_to_pack_is_sent() -> None:
+    """Two large tensors that go as they are and, between them, a bucket of empty ones (a
+    learner's first sync): no packing buffer was made, since the largest bucket to pack holds 0
+    bytes, and the send raised IndexError out of the sync."""
+    import threading
+
+    tensors = {"a": torch.ones(2000), "z1": torch.empty(0), "z2": torch.empty(0), "b": torch.full((2000,), 2.0)}
+    buckets = plan_buckets(tensors.items(), 4000)
+    assert [b.names for b in buckets] == [["a"], ["z1", "z2"], ["b"]]
+    store = host_store("127.0.0.1", 30)
+    received: dict[str, torch.Tensor] = {}
+
+    def receiver() -> None:
+        peer = join_group("gloo", "127.0.0.1", store.port, 1, 2, 7, timeout_s=30)
+        ready = WeightsReady(
+            version=1, buckets=buckets, transport="gloo", deadline=time.time() + 30, epoch=7,
+            master_addr="127.0.0.1", master_port=store.port, world_size=2, ranks={"g": 1},
+        )  # fmt: skip
+        received.update({name: t.clone() for name, t in receive(peer, ready)})
+
+    taking = threading.Thread(target=receiver, daemon=True)
+    taking.start()
+    group = join_group("gloo", "127.0.0.1", store.port, 0, 2, 7, timeout_s=30, store=store)
+    send(group, buckets, tensors)
+    taking.join(30)
+    assert sorted(received) == ["a", "b", "z1", "z2"] and float(received["b"].sum()) == 4000.0
+
+
 def test_unknown_transport_is_refused() -> None:
     with pytest.raises(WeightSyncError, match="unknown weight transport 'mpi'; use one of gloo, nccl, ipc"):
         join_group("mpi", "127.0.0.1", 1, 1, 2, 1, timeout_s=1)
@@ -270,8 +338,16 @@ def test_an_nccl_first_broadcast_that_never_returns_gives_the_group_up_in_time(m
     start = time.monotonic()
     with pytest.raises(weights.WeightSyncError, match="a rank that joined never came to the first broadcast"):
         group.start(torch.zeros(8, dtype=torch.uint8))
-    released.set()
     assert time.monotonic() - start < 10 and stuck.calls == ["broadcast", "abort"]
+    # a receiver's new group: op_timeout_s is what was left when its join began, and the join
+    # took some of it; the first broadcast waits no later than the sync's deadline
+    stuck = ProcessGroupNCCL(blocks=True)
+    group = weights.WeightGroup(stuck, 1, 2, 1, torch.device("cpu"), op_timeout_s=8.0, deadline=time.time() + 0.5)
+    start = time.monotonic()
+    with pytest.raises(weights.WeightSyncError, match="not up within 0.[45]"):
+        group.start(torch.zeros(8, dtype=torch.uint8))
+    assert time.monotonic() - start < 3
+    released.set()
     fine = ProcessGroupNCCL(blocks=False)
     group = weights.WeightGroup(fine, 0, 2, 1, torch.device("cpu"), op_timeout_s=10)
     assert group.start(torch.zeros(8, dtype=torch.uint8)) == "work" and group.connected
