@@ -90,7 +90,8 @@ class RedisConfig(_Section):
     )
     dir: str | None = Field(
         None,
-        description="Data directory of the private server flywheel run starts (AOF files). Unset: <run_dir>/redis.",
+        description="Data directory of the private server flywheel run starts (AOF files). Unset: <run_dir>/redis. "
+        "A previous run's data found there is moved to <redis.dir>.1 (.2, ...) unless train.resume is set.",
     )
     appendfsync: Literal["always", "everysec", "no"] = Field(
         "everysec",
