@@ -375,7 +375,9 @@ class Hub:
         record = GeneratorRecord(
             generator_id=msg.generator_id, model=msg.model, capacity=msg.capacity, weight_version=msg.weight_version
         )
-        self.generators[msg.generator_id] = GeneratorInfo(record, identity, now)
+        # a draining generator registering again (the hub forgot it) gets no lease in the turns
+        # before its next heartbeat says it drains
+        self.generators[msg.generator_id] = GeneratorInfo(record, identity, now, draining=msg.draining)
         self.stats.registrations += 1
         self._pipe.hset(self.keys.generators, msg.generator_id, pack(record))
         log.info(

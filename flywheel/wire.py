@@ -144,6 +144,8 @@ class Register(Message, tag=True):
     model: str  # model path or name the generator serves
     capacity: int  # how many leases (prompt groups) it runs at once
     weight_version: int  # policy version of the weights it currently serves
+    # stopping (it registers again after the hub forgot it): no new lease, as a heartbeat's says
+    draining: bool = False
 
     def check(self) -> None:
         _require(0 < len(self.generator_id) <= 128, "generator_id", "must be 1..128 characters")

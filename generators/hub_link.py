@@ -162,6 +162,7 @@ class HubLink:
                     model=self.model,
                     capacity=self.capacity,
                     weight_version=weight_version,
+                    draining=self.draining,
                 )
             )
         )
@@ -321,9 +322,7 @@ class HubLink:
                 )
                 inbox.revoked.extend(self.lease_ids)
                 self.lease_ids.clear()
-                self.register(self.weight_version)
-                if self.draining:  # a Register says nothing of it: the hub would lease to us again
-                    self.heartbeat(force=True)
+                self.register(self.weight_version)  # (saying whether it drains: no new lease then)
 
     def _stale(self, again: RegisterAgain) -> bool:
         """A RegisterAgain answering a heartbeat sent before our last Register: the hub knows us
