@@ -29,14 +29,14 @@ class _Section(BaseModel):
         # pydantic's lax mode reads True as 1: `--async.max_staleness true` would run at 1
         if isinstance(value, bool) and info.field_name and _is_numeric(cls.model_fields[info.field_name].annotation):
             raise ValueError(f"a number is wanted here, not the boolean {str(value).lower()}")
-        if isinstance(value, bool) and info.field_name:
+        annotation = cls.model_fields[info.field_name].annotation if info.field_name else None
+        if isinstance(value, bool) and _string_literal(annotation):
             # a recipe's `appendfsync: no`: YAML 1.1 reads no/off and yes/on as booleans, so back
             # to the word the recipe wrote, where the field takes it
-            allowed = typing.get_args(cls.model_fields[info.field_name].annotation)
-            if _string_literal(cls.model_fields[info.field_name].annotation):
-                for word in ("yes", "on", "true") if value else ("no", "off", "false"):
-                    if word in allowed:
-                        return word
+            allowed = typing.get_args(annotation)
+            for word in ("yes", "on", "true") if value else ("no", "off", "false"):
+                if word in allowed:
+                    return word
         return value
 
 
